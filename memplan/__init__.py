@@ -1,0 +1,1 @@
+from memplan.errors import *  # placeholder until the API lands
