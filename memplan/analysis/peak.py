@@ -1,0 +1,85 @@
+"""Simulated memory timeline: the peak a graph reaches when run eagerly in its current order.
+
+Stages
+------
+(1) Walk nodes in ``Liveness.order``. At a node, every storage it creates is allocated (bytes of the
+    whole storage); the live total after that is the node's event and a candidate for the peak.
+(2) Then every storage whose interval ends at this node is freed.
+(3) External storages (inputs, parameters, constants) were there before and are never counted;
+    storages aliased by outputs stay until the end.
+
+This is the model the ruler measures on CPU (bytes of storages allocated by dispatched ops), so the
+simulated peak of an eagerly-run graph should agree with :func:`memplan.measure` on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from memplan.analysis.liveness import Liveness
+from memplan.analysis.manager import Analysis, AnalysisManager
+from memplan.analysis.tensors import Tensors
+from memplan.capture import CapturedGraph
+
+__all__ = ["SimEvent", "PeakSimulation"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SimEvent:
+    """One node of the simulated run: bytes it allocated, bytes freed after it, bytes live with its outputs."""
+
+    index: int
+    node: str
+    op: str
+    allocated: int
+    freed: int
+    live: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PeakSimulation(Analysis):
+    """The simulated timeline and its peak."""
+
+    name = "peak"
+    timeline: tuple[SimEvent, ...]
+    peak: int
+    peak_index: int  # -1 when nothing is allocated
+    live_at_peak: tuple[int, ...]  # storage ids, largest first then by id
+    after: int  # bytes still live at the end (outputs, gradients)
+
+    @classmethod
+    def compute(cls, graph: CapturedGraph, am: AnalysisManager) -> "PeakSimulation":
+        tensors = am.get(Tensors)
+        liveness = am.get(Liveness)
+        born: dict[int, list[int]] = {}
+        dies: dict[int, list[int]] = {}
+        for sid, storage in tensors.storages.items():
+            if storage.external:
+                continue
+            interval = liveness.intervals[sid]
+            born.setdefault(interval.start, []).append(sid)
+            if interval.end < liveness.end:
+                dies.setdefault(interval.end, []).append(sid)
+        by_name = {n.name: n for n in graph.gm.graph.nodes}
+        live: set[int] = set()
+        live_bytes = 0
+        peak, peak_index, live_at_peak = 0, -1, ()
+        events = []
+        for index, name in enumerate(liveness.order):
+            # Step 1: allocate what this node creates.
+            allocated = sum(tensors.storages[sid].nbytes for sid in born.get(index, ()))
+            live.update(born.get(index, ()))
+            live_bytes += allocated
+            if live_bytes > peak:
+                peak, peak_index = live_bytes, index
+                live_at_peak = tuple(sorted(live, key=lambda s: (-tensors.storages[s].nbytes, s)))
+            # Step 2: free what dies here.
+            freed = sum(tensors.storages[sid].nbytes for sid in dies.get(index, ()))
+            live.difference_update(dies.get(index, ()))
+            events.append(SimEvent(index, name, _op_str(by_name[name]), allocated, freed, live_bytes))
+            live_bytes -= freed
+        return cls(timeline=tuple(events), peak=peak, peak_index=peak_index, live_at_peak=live_at_peak, after=live_bytes)
+
+
+def _op_str(node) -> str:
+    return str(node.target)

@@ -1,0 +1,114 @@
+"""Tensor and storage facts for every node: bytes, dtype, device, and which storage it aliases.
+
+Two nodes alias when their fake values share one storage (views, ``detach``, in-place results).
+Storage ids are numbered in graph order, so they are deterministic. A storage is *external* when a
+placeholder or a constant owns it: it exists before the graph runs and is never counted as allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+import torch.fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from memplan.analysis.manager import Analysis, AnalysisManager
+from memplan.capture import CapturedGraph
+
+__all__ = ["TensorInfo", "StorageInfo", "Tensors", "tensor_values"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """One tensor a node produces (``index`` is its position when the node returns several)."""
+
+    node: str
+    index: int | None
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    nbytes: int  # bytes this view covers (numel * element size)
+    storage: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageInfo:
+    """One storage: its size, who created it, and every node that aliases it (graph order)."""
+
+    id: int
+    nbytes: int
+    creator: str
+    external: bool
+    members: tuple[str, ...]
+
+
+def tensor_values(node: torch.fx.Node) -> list[tuple[int | None, torch.Tensor]]:
+    """The tensors in a node's fake value, with their index (None for a single tensor)."""
+    value = node.meta.get("val")
+    if isinstance(value, torch.Tensor):
+        return [(None, value)]
+    if isinstance(value, (tuple, list)):
+        return [(i, v) for i, v in enumerate(value) if isinstance(v, torch.Tensor)]
+    return []
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensors(Analysis):
+    """Per-node tensor facts and per-storage alias groups."""
+
+    name = "tensors"
+    tensors: Mapping[str, tuple[TensorInfo, ...]]
+    storages: Mapping[int, StorageInfo]
+
+    @classmethod
+    def compute(cls, graph: CapturedGraph, am: AnalysisManager) -> "Tensors":
+        ids: dict[StorageWeakRef, int] = {}
+        sizes: dict[int, int] = {}
+        creators: dict[int, str] = {}
+        external: dict[int, bool] = {}
+        members: dict[int, list[str]] = {}
+        tensors: dict[str, tuple[TensorInfo, ...]] = {}
+        for node in graph.gm.graph.nodes:
+            infos = []
+            for index, value in tensor_values(node):
+                key = StorageWeakRef(value.untyped_storage())
+                if key not in ids:
+                    sid = len(ids)
+                    ids[key] = sid
+                    creators[sid] = node.name
+                    external[sid] = node.op in ("placeholder", "get_attr")
+                    sizes[sid] = int(value.untyped_storage().nbytes())
+                    members[sid] = []
+                sid = ids[key]
+                # a resize inside the graph can only grow what must be held
+                sizes[sid] = max(sizes[sid], int(value.untyped_storage().nbytes()))
+                if not members[sid] or members[sid][-1] != node.name:
+                    members[sid].append(node.name)
+                infos.append(
+                    TensorInfo(
+                        node=node.name,
+                        index=index,
+                        shape=tuple(int(s) for s in value.shape),
+                        dtype=value.dtype,
+                        device=value.device,
+                        nbytes=int(value.numel() * value.element_size()),
+                        storage=sid,
+                    )
+                )
+            if infos:
+                tensors[node.name] = tuple(infos)
+        storages = {
+            sid: StorageInfo(sid, sizes[sid], creators[sid], external[sid], tuple(members[sid])) for sid in sizes
+        }
+        return cls(tensors=tensors, storages=storages)
+
+    def storages_of(self, name: str) -> tuple[int, ...]:
+        """Storage ids a node's value aliases (several for a multi-output node)."""
+        return tuple(info.storage for info in self.tensors.get(name, ()))
+
+    def info(self, name: str) -> TensorInfo | None:
+        """The first (usually only) tensor of a node."""
+        infos = self.tensors.get(name)
+        return infos[0] if infos else None

@@ -1,0 +1,624 @@
+"""Capture: a model plus example inputs becomes one aten-level fx graph, forward and backward.
+
+What it does
+------------
+``capture(model, *inputs)`` traces the model with ``make_fx`` over fake tensors (nothing big is
+allocated), with Python loops unrolled by the trace. In training mode the trace continues through
+autograd's own backward, so the graph holds the backward ops exactly in the order the autograd engine
+runs them, and a forward value used by a backward node is exactly a tensor autograd saved.
+
+Stages
+------
+(1) Check and flatten the inputs: tensors only (nested in tuples, lists, dicts); no sparse tensors.
+(2) Build a flat function over ``parameters, buffers, user leaves[, tangents]`` that calls the model
+    through ``torch.func.functional_call``, so parameters and buffers are graph inputs, not copies.
+(3) In training mode, run backward inside the traced function: ``loss = sum(out.sum())`` (the
+    ``"sum"`` seed, what ``model(x).sum().backward()`` does) or ``autograd.backward(outs, tangents)``
+    (the ``"tangents"`` seed, used when memplan emits its own backward). The last node traced before
+    backward starts marks the forward/backward boundary.
+(4) Trace with ``make_fx(tracing_mode="fake", record_stack_traces=True)``; turn data-dependent
+    control flow into :class:`~memplan.errors.CaptureError` naming the user's line.
+(5) Read what fx recorded (``val``, ``stack_trace``, ``seq_nr``) once, into a frozen
+    :class:`CapturedGraph` keyed by node name. Nothing later reads ``node.meta`` for decisions
+    except the fake value of a node (``node.meta["val"]``), which is fx's own shape record.
+
+Backward nodes carry the forward op's autograd sequence number, so each backward node inherits the
+source line of the forward op whose derivative it computes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import traceback
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+import torch.fx.traceback as fx_traceback
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from memplan.errors import CaptureError, UnsupportedInputError
+
+__all__ = [
+    "Phase",
+    "SourceLine",
+    "InputSpec",
+    "OutputSpec",
+    "CapturedGraph",
+    "capture",
+    "sum_backward",
+    "is_user_frame",
+]
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_MEMPLAN_DIR = os.path.dirname(os.path.abspath(__file__))
+_EXAMPLES_DIR = os.path.join(_MEMPLAN_DIR, "examples")
+
+
+class Phase(str, enum.Enum):
+    """Which half of a training step a node belongs to."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceLine:
+    """A line of the user's code: where an op came from.
+
+    Examples
+    --------
+    >>> str(SourceLine("/home/me/model.py", 42, "forward", "y = x @ w"))
+    'model.py:42 (y = x @ w)'
+    """
+
+    filename: str
+    lineno: int
+    function: str
+    code: str
+
+    def __str__(self) -> str:
+        name = os.path.basename(self.filename)
+        return f"{name}:{self.lineno} ({self.code})" if self.code else f"{name}:{self.lineno}"
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSpec:
+    """One placeholder of the captured graph.
+
+    ``kind`` is ``"parameter"``, ``"buffer"``, ``"input"`` (a user argument) or ``"tangent"``
+    (the gradient flowing into an output, when backward is seeded with tangents). ``path`` is the
+    parameter's qualified name or the argument's position, e.g. ``"fc1.weight"`` or ``"args[0]"``.
+    """
+
+    node: str
+    kind: str
+    path: str
+    requires_grad: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputSpec:
+    """One flat output of the captured graph: a model output, or the gradient of an input."""
+
+    node: str | None
+    kind: str  # "output" or "grad"
+    path: str  # output position ("out[0]") or the input the gradient belongs to ("fc1.weight")
+
+
+@dataclasses.dataclass(frozen=True)
+class CapturedGraph:
+    """A captured model: the fx graph plus what capture learned about each node, keyed by name.
+
+    Attributes
+    ----------
+    gm : torch.fx.GraphModule
+        Flat function ``gm(*params, *buffers, *user_leaves[, *tangents]) -> [*outputs, *grads]``.
+    training : bool
+        Whether the graph holds a backward.
+    phases : Mapping[str, Phase]
+        Node name to forward/backward, for every ``call_function`` node.
+    sources : Mapping[str, SourceLine]
+        Node name to the user's source line, where one is known.
+    seq_nr : Mapping[str, int]
+        Node name to autograd sequence number (backward nodes share it with their forward op).
+    inputs, outputs : tuple
+        One spec per placeholder and per flat output.
+    in_spec, out_spec : pytree.TreeSpec
+        How the user's ``(args, kwargs)`` and outputs flatten.
+    """
+
+    gm: torch.fx.GraphModule
+    training: bool
+    phases: Mapping[str, Phase]
+    sources: Mapping[str, SourceLine]
+    seq_nr: Mapping[str, int]
+    inputs: tuple[InputSpec, ...]
+    outputs: tuple[OutputSpec, ...]
+    in_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec
+    seed: str
+    released_after: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    lifetimes: str = "eager"
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        return self.gm.graph
+
+    def node(self, name: str) -> torch.fx.Node:
+        """The node called ``name`` (names are stable and unique)."""
+        for node in self.gm.graph.nodes:
+            if node.name == name:
+                return node
+        raise KeyError(f"no node named {name!r} in the captured graph")
+
+    def input_spec(self, name: str) -> InputSpec | None:
+        for spec in self.inputs:
+            if spec.node == name:
+                return spec
+        return None
+
+    def describe(self, name: str) -> str:
+        """``"mm (model.py:42 (y = x @ w))"``: op name and user line, for messages."""
+        node = self.node(name)
+        op = _op_name(node)
+        source = self.sources.get(name)
+        return f"{op} at {source}" if source else op
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket.__name__
+    return getattr(target, "__name__", str(target))
+
+
+# ----------------------------------------------------------------------------------------------
+# user frames
+
+
+def is_user_frame(filename: str) -> bool:
+    """True for frames of the user's code: outside torch and memplan (memplan's examples count as user code)."""
+    path = os.path.abspath(filename)
+    if path.startswith(_TORCH_DIR + os.sep):
+        return False
+    if path.startswith(_MEMPLAN_DIR + os.sep) and not path.startswith(_EXAMPLES_DIR + os.sep):
+        return False
+    return not filename.startswith("<")
+
+
+def _user_line_from_stack_trace(stack_trace: str | None) -> SourceLine | None:
+    """The innermost user frame of an fx ``stack_trace`` string."""
+    if not stack_trace:
+        return None
+    found = None
+    lines = stack_trace.splitlines()
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if not stripped.startswith('File "'):
+            continue
+        try:
+            file_part, rest = stripped[len('File "') :].split('", line ', 1)
+            lineno_part, _, function = rest.partition(", in ")
+            lineno = int(lineno_part)
+        except ValueError:
+            continue
+        if not is_user_frame(file_part):
+            continue
+        code = lines[i + 1].strip() if i + 1 < len(lines) and not lines[i + 1].strip().startswith("File") else ""
+        found = SourceLine(file_part, lineno, function.strip(), code)
+    return found
+
+
+def _user_line_from_traceback(tb) -> SourceLine | None:
+    found = None
+    for frame in traceback.extract_tb(tb):
+        if is_user_frame(frame.filename):
+            found = SourceLine(frame.filename, frame.lineno or 0, frame.name, (frame.line or "").strip())
+    return found
+
+
+# ----------------------------------------------------------------------------------------------
+# inputs
+
+
+def _check_leaves(leaves: Sequence[Any], paths: Sequence[str]) -> None:
+    for leaf, path in zip(leaves, paths):
+        if not isinstance(leaf, torch.Tensor):
+            raise UnsupportedInputError(
+                f"memplan plans over tensor arguments only, but {path} is a {type(leaf).__name__} ({leaf!r:.60}). "
+                "Fix: bind non-tensor arguments first, e.g. "
+                "memplan.optimize(functools.partial(model_fn, flag=True)) or store them on the module."
+            )
+        if leaf.layout != torch.strided:
+            raise UnsupportedInputError(
+                f"{path} is a {leaf.layout} tensor; memplan supports dense (strided) tensors only. "
+                "Fix: pass x.to_dense(), or keep the sparse part outside the optimized module."
+            )
+
+
+def _leaf_paths(tree: Any) -> list[str]:
+    flat_with_path, _ = pytree.tree_flatten_with_path(tree)
+    paths = []
+    for key_path, _leaf in flat_with_path:
+        text = pytree.keystr(key_path)
+        # (args, kwargs) -> "args[0]" / "kwargs['x']"
+        if text.startswith("[0]"):
+            text = "args" + text[3:]
+        elif text.startswith("[1]"):
+            text = "kwargs" + text[3:]
+        paths.append(text)
+    return paths
+
+
+def sum_backward(outputs: Any, before_backward: Callable[[list[torch.Tensor]], None] | None = None) -> None:
+    """Run backward on ``sum(o.sum())`` over the floating outputs that require grad.
+
+    This is the training step memplan's analysis and benchmarks assume when no loss is given:
+    the same as ``model(x).sum().backward()``. ``before_backward`` runs once the loss is formed.
+    """
+    leaves = [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not leaves:
+        raise CaptureError(
+            "training capture needs an output that requires grad, but none does. "
+            "Fix: capture in inference mode (train=False), or check that parameters require grad."
+        )
+    loss = leaves[0].sum()
+    for leaf in leaves[1:]:
+        loss = loss + leaf.sum()
+    if before_backward is not None:
+        before_backward([loss])
+    loss.backward()
+
+
+# ----------------------------------------------------------------------------------------------
+# capture
+
+
+def capture(
+    model: nn.Module | Callable[..., Any],
+    *args: Any,
+    train: bool | None = None,
+    seed: str = "sum",
+    **kwargs: Any,
+) -> CapturedGraph:
+    """Trace ``model(*args, **kwargs)`` into a :class:`CapturedGraph` over fake tensors.
+
+    Parameters
+    ----------
+    model : nn.Module or callable
+        The model. A module's parameters and buffers become graph inputs.
+    *args, **kwargs
+        Example inputs: tensors, possibly nested in tuples, lists and dicts.
+    train : bool, optional
+        Capture forward+backward (True) or forward only (False). Default: True when grad mode is on
+        and a parameter or input requires grad.
+    seed : {"sum", "tangents"}
+        How backward is seeded in training mode: ``"sum"`` backpropagates ``sum(out.sum())``;
+        ``"tangents"`` adds one placeholder per differentiable output holding its gradient.
+
+    Raises
+    ------
+    CaptureError
+        When the model's Python control flow depends on tensor values, or it cannot be traced.
+    UnsupportedInputError
+        For non-tensor or sparse inputs.
+
+    Examples
+    --------
+    >>> import torch
+    >>> cg = capture(torch.nn.Linear(4, 3), torch.randn(8, 4))
+    >>> cg.training, [s.kind for s in cg.inputs]
+    (True, ['parameter', 'parameter', 'input'])
+    >>> sorted({p.value for p in cg.phases.values()})
+    ['backward', 'forward']
+    """
+    if seed not in ("sum", "tangents"):
+        raise ValueError(f"seed must be 'sum' or 'tangents', not {seed!r}")
+
+    # Step 1: check and flatten the inputs.
+    user_leaves, in_spec = pytree.tree_flatten((args, kwargs))
+    leaf_paths = _leaf_paths((args, kwargs))
+    _check_leaves(user_leaves, leaf_paths)
+
+    if isinstance(model, nn.Module):
+        params = dict(model.named_parameters(remove_duplicate=True))
+        buffers = dict(model.named_buffers(remove_duplicate=True))
+    else:
+        params, buffers = {}, {}
+
+    if train is None:
+        train = torch.is_grad_enabled() and (
+            any(p.requires_grad for p in params.values()) or any(t.requires_grad for t in user_leaves)
+        )
+
+    param_names, buffer_names = list(params), list(buffers)
+    n_params, n_buffers, n_user = len(param_names), len(buffer_names), len(user_leaves)
+    boundary: dict[str, Any] = {}
+    recorders: list[_ReleaseRecorder] = []
+    out_spec_box: dict[str, Any] = {}
+
+    # Step 2: a flat function over params, buffers, user leaves (and tangents).
+    def call_model(flat: Sequence[torch.Tensor]) -> Any:
+        p = dict(zip(param_names, flat[:n_params]))
+        b = dict(zip(buffer_names, flat[n_params : n_params + n_buffers]))
+        call_args, call_kwargs = pytree.tree_unflatten(list(flat[n_params + n_buffers : n_params + n_buffers + n_user]), in_spec)
+        if isinstance(model, nn.Module):
+            return torch.func.functional_call(model, {**p, **b}, tuple(call_args), call_kwargs, strict=False)
+        return model(*call_args, **call_kwargs)
+
+    def mark_boundary() -> None:
+        mode = get_proxy_mode()
+        nodes = list(mode.tracer.graph.nodes) if mode is not None else []
+        boundary["last_forward"] = nodes[-1].name if nodes else None
+
+    def tag_backward(roots: list[torch.Tensor]) -> None:
+        mark_boundary()
+        _tag_backward_with_seq_nr([t.grad_fn for t in roots if t.grad_fn is not None])
+
+    def flat_fn(*flat: torch.Tensor) -> list[Any]:
+        recorder = _ReleaseRecorder(get_proxy_mode().tracer.graph)
+        recorders.append(recorder)
+        with recorder:
+            return traced_body(flat)
+
+    def traced_body(flat: Sequence[torch.Tensor]) -> list[Any]:
+        out = call_model(flat)
+        flat_out, out_spec = pytree.tree_flatten(out)
+        out_spec_box["spec"] = out_spec
+        if not train:
+            return list(flat_out)
+        # Step 3: run backward inside the trace.
+        grad_inputs = [t for t in flat[: n_params] if t.requires_grad]
+        grad_inputs += [t for t in flat[n_params + n_buffers : n_params + n_buffers + n_user] if t.requires_grad]
+        if seed == "sum":
+            sum_backward(flat_out, before_backward=tag_backward)
+        else:
+            diff = [t for t in flat_out if isinstance(t, torch.Tensor) and t.requires_grad]
+            tangents = list(flat[n_params + n_buffers + n_user :])
+            tag_backward(diff)
+            torch.autograd.backward(diff, tangents)
+        return list(flat_out) + [t.grad for t in grad_inputs]
+
+    real_flat: list[torch.Tensor] = []
+    for name in param_names:
+        real_flat.append(params[name].detach().requires_grad_(params[name].requires_grad))
+    for name in buffer_names:
+        real_flat.append(buffers[name].detach())
+    for leaf in user_leaves:
+        real_flat.append(leaf.detach().requires_grad_(leaf.requires_grad) if leaf.is_floating_point() else leaf.detach())
+
+    if train and seed == "tangents":
+        real_flat.extend(_tangent_examples(call_model, real_flat))
+
+    # Step 4: trace over fake tensors.
+    try:
+        with torch.enable_grad() if train else torch.no_grad(), fx_traceback.preserve_node_meta():
+            gm = make_fx(flat_fn, tracing_mode="fake", record_stack_traces=True)(*real_flat)
+    except CaptureError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - re-raised as a domain error naming the user's line
+        raise _capture_error(model, exc) from exc
+
+    # Step 5: read what fx recorded, once.
+    return _build_captured(
+        gm,
+        train=train,
+        seed=seed,
+        param_names=param_names,
+        buffer_names=buffer_names,
+        leaf_paths=leaf_paths,
+        real_flat=real_flat,
+        boundary=boundary.get("last_forward"),
+        in_spec=in_spec,
+        out_spec=out_spec_box["spec"],
+        n_user=n_user,
+        released=recorders[0].released_after if recorders else {},
+    )
+
+
+class _ReleaseRecorder(TorchDispatchMode):
+    """Records, per storage, the node after which the last Python object aliasing it died.
+
+    The fake trace runs the user's Python exactly as eager would, so a traced tensor object dies when
+    the eager one would: when its variable is rebound or goes out of scope, or when autograd releases
+    it. That is when eager frees memory, which graph liveness alone cannot see.
+    """
+
+    def __init__(self, graph: torch.fx.Graph):
+        super().__init__()
+        self.graph = graph
+        self.alive: dict[StorageWeakRef, int] = {}
+        self.released_after: dict[StorageWeakRef, str] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in pytree.tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                key = StorageWeakRef(tensor.untyped_storage())
+                self.alive[key] = self.alive.get(key, 0) + 1
+                weakref.finalize(tensor, self._release, key)
+        return out
+
+    def _release(self, key: StorageWeakRef) -> None:
+        self.alive[key] -= 1
+        if self.alive[key] == 0 and len(self.graph.nodes):
+            self.released_after[key] = self.graph._root.prev.name
+
+
+def _tag_backward_with_seq_nr(roots: list[Any]) -> None:
+    """Hook every autograd node reachable from ``roots`` so the backward ops it traces carry its ``seq_nr``."""
+    seen: set[Any] = set()
+    stack = list(roots)
+    while stack:
+        grad_fn = stack.pop()
+        if grad_fn is None or grad_fn in seen:
+            continue
+        seen.add(grad_fn)
+        seq = grad_fn._sequence_nr()
+
+        def prehook(grad_outputs: Any, seq: int = seq) -> None:
+            fx_traceback.set_grad_fn_seq_nr(seq)
+
+        def posthook(grad_inputs: Any, grad_outputs: Any) -> None:
+            fx_traceback.reset_grad_fn_seq_nr()
+
+        grad_fn.register_prehook(prehook)
+        grad_fn.register_hook(posthook)
+        stack.extend(fn for fn, _ in grad_fn.next_functions if fn is not None)
+
+
+def _tangent_examples(call_model: Callable[..., Any], real_flat: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Fake-shaped zeros, one per differentiable output (shapes found by a fake forward)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
+        fake_flat = [fake_mode.from_tensor(t) for t in real_flat]
+        with torch.enable_grad():
+            out = call_model(fake_flat)
+        shapes = [
+            (t.shape, t.dtype, t.device)
+            for t in pytree.tree_leaves(out)
+            if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+    return [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in shapes]
+
+
+def _capture_error(model: Any, exc: BaseException) -> CaptureError:
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    where = _user_line_from_traceback(exc.__traceback__)
+    name = type(model).__name__ if isinstance(model, nn.Module) else getattr(model, "__qualname__", repr(model))
+    at = f" at {where.filename}:{where.lineno} in {where.function}: `{where.code}`" if where else ""
+    data_dependent = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
+    if isinstance(exc, data_dependent):
+        return CaptureError(
+            f"memplan cannot capture {name}: its Python control flow or output shapes depend on tensor values{at}. "
+            "A static plan needs the same ops for every input of a given shape. "
+            "Fix: express the branch with tensor ops (torch.where, masking), move it outside the model, "
+            'or pass fallback="eager" to memplan.optimize to run this model eagerly.'
+        )
+    return CaptureError(
+        f"memplan could not trace {name}{at}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}. "
+        'Fix: check the model runs eagerly with these inputs; pass fallback="eager" to memplan.optimize to run it unplanned.'
+    )
+
+
+def _rename_placeholders(
+    gm: torch.fx.GraphModule, placeholders: list[torch.fx.Node], kinds: list[str], paths: list[str]
+) -> None:
+    """Give placeholders readable names (``fc1_weight``, ``args_0``) so generated code reads well."""
+    taken = {n.name for n in gm.graph.nodes if n.op != "placeholder"}
+    used: set[str] = set()
+    for node, kind, path in zip(placeholders, kinds, paths):
+        base = "".join(c if c.isalnum() else "_" for c in path).strip("_") or kind
+        if base[0].isdigit():
+            base = f"{kind}_{base}"
+        name, i = base, 1
+        while name in taken or name in used:
+            name, i = f"{base}_{i}", i + 1
+        used.add(name)
+        node._rename(name)
+        node.target = name
+    gm.recompile()
+
+
+def _build_captured(
+    gm: torch.fx.GraphModule,
+    *,
+    train: bool,
+    seed: str,
+    param_names: list[str],
+    buffer_names: list[str],
+    leaf_paths: list[str],
+    real_flat: list[torch.Tensor],
+    boundary: str | None,
+    in_spec: pytree.TreeSpec,
+    out_spec: pytree.TreeSpec,
+    n_user: int,
+    released: Mapping[StorageWeakRef, str],
+) -> CapturedGraph:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    kinds = ["parameter"] * len(param_names) + ["buffer"] * len(buffer_names) + ["input"] * n_user
+    paths = list(param_names) + list(buffer_names) + list(leaf_paths)
+    n_tangents = len(placeholders) - len(kinds)
+    kinds += ["tangent"] * n_tangents
+    paths += [f"tangent[{i}]" for i in range(n_tangents)]
+    _rename_placeholders(gm, placeholders, kinds, paths)
+    inputs = tuple(
+        InputSpec(node.name, kind, path, bool(tensor.requires_grad) and kind != "tangent")
+        for node, kind, path, tensor in zip(placeholders, kinds, paths, real_flat)
+    )
+
+    phases: dict[str, Phase] = {}
+    phase = Phase.FORWARD
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            if node.op == "placeholder" or node.op == "get_attr":
+                continue
+            continue
+        phases[node.name] = phase
+        if train and node.name == boundary:
+            phase = Phase.BACKWARD
+
+    seq_nr = {n.name: int(n.meta["seq_nr"]) for n in gm.graph.nodes if isinstance(n.meta.get("seq_nr"), int)}
+    sources: dict[str, SourceLine] = {}
+    forward_source_by_seq: dict[int, SourceLine] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        line = _user_line_from_stack_trace(node.meta.get("stack_trace"))
+        if phases[node.name] is Phase.FORWARD:
+            if line is not None:
+                sources[node.name] = line
+                forward_source_by_seq.setdefault(seq_nr.get(node.name, -1), line)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and phases[node.name] is Phase.BACKWARD:
+            line = forward_source_by_seq.get(seq_nr.get(node.name, -2))
+            if line is not None:
+                sources[node.name] = line
+
+    output_node = next(n for n in gm.graph.nodes if n.op == "output")
+    flat_outputs = list(pytree.tree_leaves(output_node.args[0], is_leaf=lambda x: x is None))
+    n_model_outputs = out_spec.num_leaves
+    grad_paths = [spec.path for spec in inputs if spec.requires_grad]
+    outputs = []
+    for i, value in enumerate(flat_outputs):
+        node_name = value.name if isinstance(value, torch.fx.Node) else None
+        if i < n_model_outputs:
+            outputs.append(OutputSpec(node_name, "output", f"out[{i}]"))
+        else:
+            outputs.append(OutputSpec(node_name, "grad", grad_paths[i - n_model_outputs]))
+
+    # Python's release of each storage, keyed by the node that created it.
+    released_after: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        for tensor in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(tensor, torch.Tensor):
+                key = StorageWeakRef(tensor.untyped_storage())
+                if key in released and node.name not in released_after and node.op == "call_function":
+                    released_after[node.name] = released[key]
+
+    return CapturedGraph(
+        gm=gm,
+        released_after=released_after,
+        training=train,
+        phases=phases,
+        sources=sources,
+        seq_nr=seq_nr,
+        inputs=inputs,
+        outputs=tuple(outputs),
+        in_spec=in_spec,
+        out_spec=out_spec,
+        seed=seed,
+    )
