@@ -361,6 +361,7 @@ def capture(
         boundary["last_forward"] = nodes[-1].name if nodes else None
 
     def tag_backward(roots: list[torch.Tensor]) -> None:
+        _check_constants(model, get_proxy_mode().tracer)
         mark_boundary()
         _tag_backward_with_seq_nr([t.grad_fn for t in roots if t.grad_fn is not None])
 
@@ -402,7 +403,9 @@ def capture(
     # Step 4: trace over fake tensors.
     try:
         with torch.enable_grad() if train else torch.no_grad(), fx_traceback.preserve_node_meta():
-            gm = make_fx(flat_fn, tracing_mode="fake", record_stack_traces=True)(*real_flat)
+            gm = make_fx(
+                flat_fn, tracing_mode="fake", record_stack_traces=True, _allow_non_fake_inputs=True
+            )(*real_flat)
     except CaptureError:
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised as a domain error naming the user's line
@@ -474,6 +477,26 @@ def _tag_backward_with_seq_nr(roots: list[Any]) -> None:
         grad_fn.register_prehook(prehook)
         grad_fn.register_hook(posthook)
         stack.extend(fn for fn, _ in grad_fn.next_functions if fn is not None)
+
+
+def _check_constants(model: Any, tracer: Any) -> None:
+    """Tensors a plain function closes over become constants; in training that would drop their gradients.
+
+    Runs before backward is traced, so the user's real tensors never see a fake ``.grad``.
+    """
+    for node in tracer.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        value = getattr(tracer.root, str(node.target), None)
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            user = next(iter(node.users), None)
+            name = getattr(model, "__qualname__", type(model).__name__)
+            raise CaptureError(
+                f"{name} uses a tensor that requires grad but is neither an argument nor a parameter of an "
+                f"nn.Module (shape {tuple(value.shape)}, first used by {user.format_node() if user else 'nothing'}); "
+                "memplan would treat it as a constant and lose its gradient. "
+                "Fix: make the callable an nn.Module that owns it as a parameter, or pass it as an argument."
+            )
 
 
 def _tangent_examples(call_model: Callable[..., Any], real_flat: list[torch.Tensor]) -> list[torch.Tensor]:

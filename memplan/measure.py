@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
@@ -238,11 +239,15 @@ def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
 
 
 def _device_filter(device: torch.device) -> Callable[[torch.Tensor], bool]:
-    """A cheap predicate telling whether a tensor lives on ``device``."""
+    """A cheap predicate telling whether a tensor holds real memory on ``device``.
+
+    Fake tensors (``FakeTensorMode``, as in memplan's own capture) report a real device but own no
+    memory, so they are never counted.
+    """
     if device.type == "cpu":
-        return lambda t: t.is_cpu
+        return lambda t: t.is_cpu and not isinstance(t, FakeTensor)
     index = device.index
-    return lambda t: t.is_cuda and t.get_device() == index
+    return lambda t: t.is_cuda and t.get_device() == index and not isinstance(t, FakeTensor)
 
 
 class _Ledger:

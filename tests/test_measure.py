@@ -528,3 +528,14 @@ def test_cuda_matmul_peak_matches_allocator():
     assert [e.op for e in m.timeline] == ["aten.mm.default", "aten.relu.default"]
     torch.cuda.synchronize()
     assert m.peak <= torch.cuda.max_memory_allocated() - m.before
+
+
+def test_fake_tensors_own_no_memory():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def fake_work():
+        with FakeTensorMode():
+            a = torch.empty(4096, 4096)
+            return (a @ a).sum()
+
+    assert measure(fake_work).peak == 0

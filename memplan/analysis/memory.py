@@ -189,6 +189,11 @@ class MemoryAnalysis:
         reader = self._next_reader(sid, at)
         if reader is not None:
             return f"waiting to be read by {graph.describe(reader)}"
+        if graph.lifetimes == "eager":
+            return (
+                "no op reads it any more, but a Python reference (a local variable, a list) "
+                "still holds it; `del` it or reuse the name after its last use"
+            )
         return "kept to the end of the call"
 
     def _read_later_in_forward(self, sid: int, at: int) -> bool:
