@@ -1,1 +1,37 @@
-from memplan.errors import *  # placeholder until the API lands
+"""memplan: a memory planner for PyTorch models.
+
+>>> import memplan, torch
+>>> a = memplan.analyze(torch.nn.Linear(128, 128), torch.randn(32, 128), train=False)
+>>> memplan.format_bytes(a.peak)
+'16.00 KiB'
+"""
+
+from memplan.analysis.memory import MemoryAnalysis, analyze
+from memplan.capture import CapturedGraph, capture
+from memplan.errors import (
+    CaptureError,
+    InfeasibleBudgetError,
+    MemplanError,
+    PassError,
+    UnsupportedInputError,
+    UnsupportedNodeError,
+)
+from memplan.measure import Measurement, format_bytes, measure
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "analyze",
+    "capture",
+    "measure",
+    "format_bytes",
+    "MemoryAnalysis",
+    "CapturedGraph",
+    "Measurement",
+    "MemplanError",
+    "CaptureError",
+    "UnsupportedInputError",
+    "UnsupportedNodeError",
+    "InfeasibleBudgetError",
+    "PassError",
+]
