@@ -7,6 +7,7 @@
 """
 
 from memplan.analysis.memory import MemoryAnalysis, analyze
+from memplan.api import OptimizedModule, Plan, optimize
 from memplan.capture import CapturedGraph, capture
 from memplan.errors import (
     CaptureError,
@@ -21,10 +22,13 @@ from memplan.measure import Measurement, format_bytes, measure
 __version__ = "0.1.0"
 
 __all__ = [
+    "optimize",
     "analyze",
     "capture",
     "measure",
     "format_bytes",
+    "OptimizedModule",
+    "Plan",
     "MemoryAnalysis",
     "CapturedGraph",
     "Measurement",

@@ -112,6 +112,7 @@ class OutputSpec:
     node: str | None
     kind: str  # "output" or "grad"
     path: str  # output position ("out[0]") or the input the gradient belongs to ("fc1.weight")
+    differentiable: bool = False  # a model output that requires grad (gets a tangent in backward)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,6 +376,7 @@ def capture(
         out = call_model(flat)
         flat_out, out_spec = pytree.tree_flatten(out)
         out_spec_box["spec"] = out_spec
+        out_spec_box["differentiable"] = [isinstance(t, torch.Tensor) and t.requires_grad for t in flat_out]
         if not train:
             return list(flat_out)
         # Step 3: run backward inside the trace.
@@ -397,11 +399,10 @@ def capture(
     for leaf in user_leaves:
         real_flat.append(leaf.detach().requires_grad_(leaf.requires_grad) if leaf.is_floating_point() else leaf.detach())
 
-    if train and seed == "tangents":
-        real_flat.extend(_tangent_examples(call_model, real_flat))
-
     # Step 4: trace over fake tensors.
     try:
+        if train and seed == "tangents":
+            real_flat.extend(_tangent_examples(call_model, real_flat))
         with torch.enable_grad() if train else torch.no_grad(), fx_traceback.preserve_node_meta():
             gm = make_fx(
                 flat_fn, tracing_mode="fake", record_stack_traces=True, _allow_non_fake_inputs=True
@@ -425,6 +426,7 @@ def capture(
         out_spec=out_spec_box["spec"],
         n_user=n_user,
         released=recorders[0].released_after if recorders else {},
+        differentiable=out_spec_box["differentiable"],
     )
 
 
@@ -523,6 +525,12 @@ def _capture_error(model: Any, exc: BaseException) -> CaptureError:
     name = type(model).__name__ if isinstance(model, nn.Module) else getattr(model, "__qualname__", repr(model))
     at = f" at {where.filename}:{where.lineno} in {where.function}: `{where.code}`" if where else ""
     data_dependent = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
+    if isinstance(exc, RuntimeError) and "leaf Variable that requires grad is being used in an in-place" in str(exc):
+        return CaptureError(
+            f"{name} writes in place into an input that requires grad{at}. memplan cannot plan in-place "
+            "updates of differentiable inputs. "
+            'Fix: use the out-of-place op (e.g. x = x + y), or pass fallback="eager".'
+        )
     if isinstance(exc, data_dependent):
         return CaptureError(
             f"memplan cannot capture {name}: its Python control flow or output shapes depend on tensor values{at}. "
@@ -569,6 +577,7 @@ def _build_captured(
     out_spec: pytree.TreeSpec,
     n_user: int,
     released: Mapping[StorageWeakRef, str],
+    differentiable: Sequence[bool],
 ) -> CapturedGraph:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     kinds = ["parameter"] * len(param_names) + ["buffer"] * len(buffer_names) + ["input"] * n_user
@@ -618,7 +627,7 @@ def _build_captured(
     for i, value in enumerate(flat_outputs):
         node_name = value.name if isinstance(value, torch.fx.Node) else None
         if i < n_model_outputs:
-            outputs.append(OutputSpec(node_name, "output", f"out[{i}]"))
+            outputs.append(OutputSpec(node_name, "output", f"out[{i}]", bool(train and differentiable[i])))
         else:
             outputs.append(OutputSpec(node_name, "grad", grad_paths[i - n_model_outputs]))
 

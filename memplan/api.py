@@ -1,0 +1,290 @@
+"""``memplan.optimize``: a module that plans itself on first call, per input signature.
+
+Stages of a call
+----------------
+(1) Flatten the arguments and form the signature: structure, and per tensor its shape, strides, dtype,
+    device and requires_grad; per parameter its dtype, device and requires_grad; ``training`` and
+    grad mode.
+(2) On a new signature: capture (seeded with tangents when training), run the pass pipeline under the
+    policy, emit forward/backward modules, and cache the plan. A model that cannot be captured raises
+    :class:`~memplan.errors.CaptureError`, or runs eagerly with a warning under ``fallback="eager"``.
+(3) Run: the model's own parameters and buffers (fetched afresh, so ``.to()`` and optimizers keep
+    working) plus the user's tensors go through the plan's autograd.Function (training) or its
+    forward module (inference); the outputs are rebuilt in the user's structure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from memplan.analysis.manager import AnalysisManager
+from memplan.analysis.memory import MemoryAnalysis
+from memplan.analysis.tensors import Tensors
+from memplan.capture import CapturedGraph, capture
+from memplan.emit import Emitted, PlanFunction, emit, run_inference
+from memplan.errors import CaptureError, UnsupportedInputError
+from memplan.measure import format_bytes
+from memplan.pipeline import PassManager, PassRecord, _mutated_args
+from memplan.policy import Policy
+
+__all__ = ["optimize", "OptimizedModule", "Plan", "DEFAULT_PIPELINE"]
+
+#: Passes run when ``passes=None``; the empty pipeline only captures and emits.
+DEFAULT_PIPELINE: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What memplan decided for one input signature, with predicted bytes."""
+
+    training: bool
+    pipeline: str
+    records: tuple[PassRecord, ...]
+    eager_peak: int  # predicted peak of the model as written (eager lifetimes)
+    planned_peak: int  # predicted peak of the emitted plan
+    saved_bytes: int  # bytes crossing from forward to backward
+    plan_seconds: float
+    emitted: Emitted = dataclasses.field(repr=False)
+    graph: CapturedGraph = dataclasses.field(repr=False)
+
+    @property
+    def code(self) -> str:
+        return self.emitted.code
+
+    def headline(self) -> str:
+        ratio = self.planned_peak / self.eager_peak if self.eager_peak else 1.0
+        mode = "training" if self.training else "inference"
+        return (
+            f"{mode} plan: peak {format_bytes(self.eager_peak)} -> {format_bytes(self.planned_peak)} "
+            f"({ratio:.1%}), saved for backward {format_bytes(self.saved_bytes)}, planned in {self.plan_seconds:.2f} s"
+        )
+
+    def __str__(self) -> str:
+        lines = [self.headline()]
+        for r in self.records:
+            change = "changed" if r.changed else "no change"
+            lines.append(
+                f"  {r.name:12s} {change:9s} peak {format_bytes(r.peak_before)} -> {format_bytes(r.peak_after)}, "
+                f"{r.stats.nodes_rewritten} nodes rewritten, recompute +{r.stats.recompute_added:.1%}, {r.seconds:.3f} s"
+            )
+        if not self.records:
+            lines.append("  (no passes: capture and emit only)")
+        return "\n".join(lines)
+
+    def __rich__(self) -> Any:
+        from rich.console import Group
+        from rich.table import Table
+
+        table = Table(show_header=True)
+        for column in ("pass", "changed", "peak before", "peak after", "nodes rewritten", "recompute", "seconds"):
+            table.add_column(column)
+        for r in self.records:
+            table.add_row(
+                r.name, "yes" if r.changed else "no", format_bytes(r.peak_before), format_bytes(r.peak_after),
+                str(r.stats.nodes_rewritten), f"+{r.stats.recompute_added:.1%}", f"{r.seconds:.3f}",
+            )
+        return Group(self.headline(), table)
+
+
+def _signature(model: Any, leaves: Sequence[Any], spec: pytree.TreeSpec) -> tuple:
+    tensors = tuple(
+        (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad, t.layout) if isinstance(t, torch.Tensor) else ("py", type(t))
+        for t in leaves
+    )
+    params: tuple = ()
+    training = False
+    if isinstance(model, nn.Module):
+        params = tuple((tuple(p.shape), p.dtype, p.device, p.requires_grad) for p in model.parameters())
+        params += tuple((tuple(b.shape), b.dtype, b.device) for b in model.buffers())
+        training = model.training
+    return (spec, tensors, params, training, torch.is_grad_enabled())
+
+
+class OptimizedModule(nn.Module):
+    """The module ``memplan.optimize`` returns. Same parameters, outputs and gradients as the original."""
+
+    def __init__(
+        self,
+        model: nn.Module | Callable[..., Any],
+        *,
+        policy: Policy,
+        passes: Sequence[str],
+        fallback: str | None,
+    ):
+        super().__init__()
+        if fallback not in (None, "eager"):
+            raise ValueError(f'fallback must be None or "eager", not {fallback!r}')
+        if isinstance(model, nn.Module):
+            self.model = model
+        else:
+            self._function = model
+        self.policy = policy
+        self.passes = tuple(passes)
+        self.fallback = fallback
+        self._plans: dict[tuple, Plan | None] = {}
+        self._last: Plan | None = None
+        self.plans_built = 0
+
+    # -- delegation: the optimized module *is* the model for checkpoints ------------------------
+
+    @property
+    def original(self) -> nn.Module | Callable[..., Any]:
+        return self._modules["model"] if "model" in self._modules else self._function
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        original = self.original
+        if isinstance(original, nn.Module):
+            return original.state_dict(*args, **kwargs)
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        original = self.original
+        if isinstance(original, nn.Module):
+            return original.load_state_dict(state_dict, strict=strict, assign=assign)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    # -- planning ---------------------------------------------------------------------------------
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan of the most recent call (None before the first call)."""
+        return self._last
+
+    @property
+    def code(self) -> str:
+        """Readable generated code of the most recent plan's forward and backward."""
+        if self._last is None:
+            raise RuntimeError("nothing is planned yet: call the module once first")
+        return self._last.code
+
+    def _build_plan(self, args: tuple, kwargs: dict) -> Plan:
+        start = time.perf_counter()
+        original = self.original
+        graph = capture(original, *args, seed="tangents", **kwargs)
+        _check_mutations(graph)
+        eager = MemoryAnalysis.from_graph(graph)
+        result = PassManager(self.passes, self.policy).run(graph)
+        planned = MemoryAnalysis.from_graph(result.graph)
+        emitted = emit(result.graph)
+        tensors = AnalysisManager(result.graph).get(Tensors)
+        saved_storages = {sid for name in emitted.saved for sid in tensors.storages_of(name) if not tensors.storages[sid].external}
+        saved_bytes = sum(tensors.storages[sid].nbytes for sid in saved_storages)
+        self.plans_built += 1
+        return Plan(
+            training=graph.training,
+            pipeline=",".join(self.passes),
+            records=result.records,
+            eager_peak=eager.peak,
+            planned_peak=planned.peak,
+            saved_bytes=saved_bytes,
+            plan_seconds=time.perf_counter() - start,
+            emitted=emitted,
+            graph=result.graph,
+        )
+
+    # -- running ----------------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        original = self.original
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        key = _signature(original, leaves, spec)
+        if key not in self._plans:
+            try:
+                self._plans[key] = self._build_plan(args, kwargs)
+            except (CaptureError, UnsupportedInputError) as exc:
+                if self.fallback != "eager":
+                    raise
+                warnings.warn(f"memplan runs this model eagerly (fallback='eager'): {exc}", stacklevel=2)
+                self._plans[key] = None
+        plan = self._plans[key]
+        self._last = plan
+        if plan is None:
+            return original(*args, **kwargs)
+        flat = self._flat_inputs(original, leaves)
+        if plan.training:
+            outputs = list(PlanFunction.apply(plan.emitted, *flat))
+        else:
+            outputs = run_inference(plan.emitted, flat)
+        for index, value in plan.emitted.constant_outputs:
+            outputs[index] = value
+        return pytree.tree_unflatten(outputs, plan.graph.out_spec)
+
+    @staticmethod
+    def _flat_inputs(original: Any, leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if isinstance(original, nn.Module):
+            params = [p for _, p in original.named_parameters(remove_duplicate=True)]
+            buffers = [b for _, b in original.named_buffers(remove_duplicate=True)]
+            return [*params, *buffers, *leaves]
+        return list(leaves)
+
+
+def _check_mutations(graph: CapturedGraph) -> None:
+    """In-place writes to inputs that require grad cannot go through one autograd.Function."""
+    tensors = AnalysisManager(graph).get(Tensors)
+    owner = {}
+    for spec in graph.inputs:
+        for sid in tensors.storages_of(spec.node):
+            owner[sid] = spec
+    for node in graph.gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        for target in _mutated_args(node):
+            for sid in tensors.storages_of(target.name):
+                spec = owner.get(sid)
+                if spec is None or not spec.requires_grad:
+                    continue
+                source = graph.sources.get(node.name)
+                where = f" at {source}" if source else ""
+                raise CaptureError(
+                    f"the model writes in place into {spec.kind} '{spec.path}', which requires grad "
+                    f"({node.format_node()}){where}. memplan cannot plan in-place updates of differentiable "
+                    'inputs. Fix: use the out-of-place op (e.g. x = x + y), or pass fallback="eager".'
+                )
+
+
+def optimize(
+    model: nn.Module | Callable[..., Any],
+    *,
+    budget: int | str | None = None,
+    max_overhead: float = 0.3,
+    passes: str | Sequence[str] | None = None,
+    fallback: str | None = None,
+) -> OptimizedModule:
+    """Wrap ``model`` so that each call runs a memory-planned version of it.
+
+    Nothing happens until the first call, which captures the model for that input signature, runs
+    the pass pipeline under the policy and emits the plan; later calls with the same signature reuse it.
+
+    Parameters
+    ----------
+    model : nn.Module or callable
+    budget : int or str, optional
+        Hard limit on the predicted peak (e.g. ``"2GiB"``).
+    max_overhead : float
+        Without a budget: lowest peak whose extra compute is at most this fraction (default 0.3).
+    passes : str or sequence of str, optional
+        Pipeline, e.g. ``"inplace,schedule"``; ``""`` for none; None for the default pipeline.
+    fallback : {None, "eager"}
+        Run models that cannot be captured eagerly, with a warning, instead of raising.
+
+    Examples
+    --------
+    >>> import torch
+    >>> lin = torch.nn.Linear(4, 2)
+    >>> opt = optimize(lin, passes="")
+    >>> x = torch.randn(3, 4)
+    >>> torch.allclose(opt(x), lin(x))
+    True
+    """
+    from memplan.pipeline import parse_pipeline
+
+    names = parse_pipeline(DEFAULT_PIPELINE if passes is None else passes)
+    return OptimizedModule(model, policy=Policy(budget=budget, max_overhead=max_overhead), passes=names, fallback=fallback)

@@ -1,0 +1,372 @@
+"""The pass pipeline: one contract, a registry, verification after every pass, reproducers.
+
+A pass is ``fn(graph: CapturedGraph, ctx: PassContext) -> PassResult``. It plans first (a frozen plan
+object it can print and test), then applies; if it finds nothing it returns its input untouched with
+``changed=False``. The :class:`PassManager` runs passes in order and, after each one that changed the
+graph, invalidates the analyses the pass did not preserve, then verifies:
+
+(1) ``graph.lint()``;
+(2) every ``call_function`` node has a phase, and no forward node reads a backward node;
+(3) alias safety: no in-place write lands on a storage that a node defined before the write still
+    reads after it (a stale read), beyond those the user's own code already had.
+
+A failing pass raises :class:`~memplan.errors.PassError` naming it and the passes before it, and a
+reproducer (graph, metadata, pipeline string) is saved when ``reproducer_dir`` is set;
+:func:`replay` runs a pipeline on a saved reproducer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from memplan.analysis.liveness import Liveness
+from memplan.analysis.manager import AnalysisManager
+from memplan.analysis.peak import PeakSimulation
+from memplan.analysis.tensors import Tensors
+from memplan.capture import CapturedGraph, InputSpec, OutputSpec, Phase, SourceLine
+from memplan.errors import PassError
+from memplan.policy import Policy
+
+__all__ = [
+    "PassStats",
+    "PassResult",
+    "PassContext",
+    "PassRecord",
+    "PipelineResult",
+    "PassManager",
+    "register_pass",
+    "registered_passes",
+    "parse_pipeline",
+    "verify",
+    "mutation_hazards",
+    "save_reproducer",
+    "replay",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class PassStats:
+    """What a pass did, in numbers."""
+
+    nodes_rewritten: int = 0
+    bytes_saved: int = 0  # predicted peak reduction the pass claims
+    recompute_added: float = 0.0  # extra compute, as a fraction of the graph's original compute
+
+
+@dataclasses.dataclass(frozen=True)
+class PassResult:
+    graph: CapturedGraph
+    changed: bool
+    preserved: frozenset[type] = frozenset()
+    stats: PassStats = PassStats()
+    notes: tuple[str, ...] = ()
+    plan: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PassContext:
+    """What a pass may read: the analyses of its input graph and the policy."""
+
+    am: AnalysisManager
+    policy: Policy
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+PassFn = Callable[[CapturedGraph, PassContext], PassResult]
+_REGISTRY: dict[str, PassFn] = {}
+
+
+def register_pass(name: str, fn: PassFn | None = None) -> Any:
+    """Register a pass under ``name`` (usable as a decorator). Registering a name twice is an error."""
+
+    def add(f: PassFn) -> PassFn:
+        if name in _REGISTRY:
+            raise ValueError(f"a pass named {name!r} is already registered")
+        if not name.isidentifier():
+            raise ValueError(f"pass names are identifiers; {name!r} is not")
+        _REGISTRY[name] = f
+        return f
+
+    return add(fn) if fn is not None else add
+
+
+def registered_passes() -> tuple[str, ...]:
+    _load_builtin_passes()
+    return tuple(_REGISTRY)
+
+
+def _load_builtin_passes() -> None:
+    import memplan.passes  # noqa: F401  (registers the built-in passes)
+
+
+def parse_pipeline(pipeline: str | Sequence[str] | None) -> tuple[str, ...]:
+    """``"inplace,remat"`` -> ``("inplace", "remat")``; unknown names list the valid ones.
+
+    Examples
+    --------
+    >>> parse_pipeline("")
+    ()
+    """
+    _load_builtin_passes()
+    if pipeline is None:
+        return ()
+    names = [p.strip() for p in pipeline.split(",")] if isinstance(pipeline, str) else list(pipeline)
+    names = [n for n in names if n]
+    unknown = [n for n in names if n not in _REGISTRY]
+    if unknown:
+        raise ValueError(f"unknown pass(es) {unknown}; registered passes are {sorted(_REGISTRY)}")
+    return tuple(names)
+
+
+# ----------------------------------------------------------------------------------------------
+# verification
+
+
+def _mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return []
+    mutated = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if isinstance(value, torch.fx.Node):
+                mutated.append(value)
+    return mutated
+
+
+def mutation_hazards(graph: CapturedGraph, am: AnalysisManager) -> frozenset[tuple[str, str]]:
+    """``(writer, reader)`` pairs: ``reader`` reads, after ``writer`` wrote it, a storage through a node
+    defined before the write. In a graph from eager code these are the user's own aliasing; a pass must
+    not add any."""
+    tensors, liveness = am.get(Tensors), am.get(Liveness)
+    position = liveness.position
+    by_name = {n.name: n for n in graph.gm.graph.nodes}
+    hazards = set()
+    for node in graph.gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        for target in _mutated_args(node):
+            p = position[node.name]
+            for sid in tensors.storages_of(target.name):
+                for member in tensors.storages[sid].members:
+                    if member == node.name or position.get(member, -1) >= p:
+                        continue
+                    for user in by_name[member].users:
+                        if user.op == "output":
+                            continue
+                        if position[user.name] > p:
+                            hazards.add((node.name, user.name))
+    return frozenset(hazards)
+
+
+def verify(graph: CapturedGraph, am: AnalysisManager) -> None:
+    """Raise ``AssertionError`` describing the first broken invariant (the pipeline wraps it)."""
+    graph.gm.graph.lint()
+    for node in graph.gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.name not in graph.phases:
+            raise AssertionError(f"node {node.format_node()} has no forward/backward phase")
+        if graph.phases[node.name] is Phase.FORWARD:
+            for arg in node.all_input_nodes:
+                if graph.phases.get(arg.name) is Phase.BACKWARD:
+                    raise AssertionError(f"forward node {node.name} reads backward node {arg.name}")
+        if "val" not in node.meta:
+            raise AssertionError(f"node {node.format_node()} has no fake value (shape information)")
+
+
+# ----------------------------------------------------------------------------------------------
+# the manager
+
+
+@dataclasses.dataclass(frozen=True)
+class PassRecord:
+    """One pass's run: what it did and the predicted peak (graph lifetimes) before and after."""
+
+    name: str
+    changed: bool
+    stats: PassStats
+    notes: tuple[str, ...]
+    seconds: float
+    peak_before: int
+    peak_after: int
+    plan: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineResult:
+    graph: CapturedGraph
+    records: tuple[PassRecord, ...]
+
+
+Instrument = Callable[[str, CapturedGraph], None]
+
+
+class PassManager:
+    """Runs a pipeline of registered passes with verification after each change.
+
+    Parameters
+    ----------
+    pipeline : str or sequence of str
+        Pass names, e.g. ``"inplace,schedule"``.
+    policy : Policy
+    reproducer_dir : path, optional
+        Where to save a reproducer when a pass fails.
+    before_pass, after_pass : callables ``(name, graph)``, optional
+        Instrumentation hooks.
+    """
+
+    def __init__(
+        self,
+        pipeline: str | Sequence[str] | None,
+        policy: Policy | None = None,
+        *,
+        options: Mapping[str, Any] | None = None,
+        reproducer_dir: str | pathlib.Path | None = None,
+        before_pass: Instrument | None = None,
+        after_pass: Instrument | None = None,
+    ):
+        self.passes = parse_pipeline(pipeline)
+        self.policy = policy or Policy()
+        self.options = dict(options or {})
+        self.reproducer_dir = pathlib.Path(reproducer_dir) if reproducer_dir is not None else None
+        self.before_pass = before_pass
+        self.after_pass = after_pass
+
+    @property
+    def pipeline(self) -> str:
+        return ",".join(self.passes)
+
+    def run(self, graph: CapturedGraph) -> PipelineResult:
+        graph = dataclasses.replace(graph, lifetimes="graph")
+        am = AnalysisManager(graph)
+        baseline_hazards = mutation_hazards(graph, am)
+        records = []
+        for i, name in enumerate(self.passes):
+            if self.before_pass is not None:
+                self.before_pass(name, graph)
+            peak_before = am.get(PeakSimulation).peak
+            ctx = PassContext(am=am, policy=self.policy, options=self.options)
+            start = time.perf_counter()
+            try:
+                result = _REGISTRY[name](graph, ctx)
+            except Exception as exc:
+                raise self._failure(name, i, graph, f"raised {type(exc).__name__}: {exc}") from exc
+            seconds = time.perf_counter() - start
+            if result.changed:
+                am.update(result.graph, result.preserved)
+                try:
+                    verify(result.graph, am)
+                    new = mutation_hazards(result.graph, am) - baseline_hazards
+                    if new:
+                        writer, reader = sorted(new)[0]
+                        raise AssertionError(
+                            f"in-place write by {writer} clobbers a value {reader} still reads afterwards "
+                            f"({len(new)} such hazard(s))"
+                        )
+                except AssertionError as exc:
+                    raise self._failure(name, i, graph, f"broke an invariant: {exc}") from exc
+                graph = result.graph
+                baseline_hazards = mutation_hazards(graph, am)
+            elif result.graph is not graph:
+                raise self._failure(name, i, graph, "returned a new graph but reported changed=False")
+            peak_after = am.get(PeakSimulation).peak
+            records.append(
+                PassRecord(name, result.changed, result.stats, result.notes, seconds, peak_before, peak_after, result.plan)
+            )
+            if self.after_pass is not None:
+                self.after_pass(name, graph)
+        return PipelineResult(graph, tuple(records))
+
+    def _failure(self, name: str, index: int, graph: CapturedGraph, what: str) -> PassError:
+        before = ",".join(self.passes[:index]) or "(none)"
+        message = f"pass {name!r} {what}. Passes run before it: {before}."
+        if self.reproducer_dir is not None:
+            path = save_reproducer(graph, ",".join(self.passes[index:]), self.reproducer_dir / f"memplan-repro-{name}")
+            message += f" Reproducer saved to {path}; replay it with memplan.pipeline.replay({str(path)!r})."
+        else:
+            message += " Pass reproducer_dir= to save a reproducer."
+        return PassError(message)
+
+
+# ----------------------------------------------------------------------------------------------
+# reproducers
+
+
+def save_reproducer(graph: CapturedGraph, pipeline: str, path: str | pathlib.Path) -> pathlib.Path:
+    """Save ``graph`` (code, constants, metadata, input shapes) and the pipeline to replay on it."""
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
+    inputs_meta = []
+    for node in placeholders:
+        val = node.meta["val"]
+        inputs_meta.append(
+            {"shape": list(val.shape), "stride": list(val.stride()), "dtype": str(val.dtype).replace("torch.", ""),
+             "device": str(val.device), "requires_grad": bool(val.requires_grad)}
+        )
+    meta = {
+        "pipeline": pipeline,
+        "training": graph.training,
+        "seed": graph.seed,
+        "lifetimes": graph.lifetimes,
+        "phases": {k: v.value for k, v in graph.phases.items()},
+        "sources": {k: dataclasses.asdict(v) for k, v in graph.sources.items()},
+        "seq_nr": dict(graph.seq_nr),
+        "inputs": [dataclasses.asdict(s) for s in graph.inputs],
+        "outputs": [dataclasses.asdict(s) for s in graph.outputs],
+        "input_tensors": inputs_meta,
+    }
+    (path / "meta.json").write_text(json.dumps(meta, indent=1))
+    (path / "graph.py").write_text(graph.gm.code)
+    torch.save(graph.gm, path / "graph.pt")
+    (path / "pipeline.txt").write_text(pipeline + "\n")
+    return path
+
+
+def load_reproducer(path: str | pathlib.Path) -> tuple[CapturedGraph, str]:
+    """A saved graph with its fake values restored (by fake-tensor propagation), and its pipeline."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    import torch.utils._pytree as pytree
+
+    path = pathlib.Path(path)
+    meta = json.loads((path / "meta.json").read_text())
+    gm = torch.load(path / "graph.pt", weights_only=False)
+    mode = FakeTensorMode()
+    fake_inputs = []
+    for spec in meta["input_tensors"]:
+        with mode:
+            t = torch.empty_strided(spec["shape"], spec["stride"], dtype=getattr(torch, spec["dtype"]), device=spec["device"])
+        fake_inputs.append(t.requires_grad_(spec["requires_grad"]) if t.is_floating_point() else t)
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
+    graph = CapturedGraph(
+        gm=gm,
+        training=meta["training"],
+        phases={k: Phase(v) for k, v in meta["phases"].items()},
+        sources={k: SourceLine(**v) for k, v in meta["sources"].items()},
+        seq_nr=meta["seq_nr"],
+        inputs=tuple(InputSpec(**s) for s in meta["inputs"]),
+        outputs=tuple(OutputSpec(**s) for s in meta["outputs"]),
+        in_spec=pytree.tree_flatten(((), {}))[1],
+        out_spec=pytree.tree_flatten(None)[1],
+        seed=meta["seed"],
+        lifetimes=meta["lifetimes"],
+    )
+    return graph, meta["pipeline"]
+
+
+def replay(path: str | pathlib.Path, policy: Policy | None = None) -> PipelineResult:
+    """Run a saved reproducer's pipeline on its graph (raises the same :class:`PassError` if it still fails)."""
+    graph, pipeline = load_reproducer(path)
+    return PassManager(pipeline, policy).run(graph)

@@ -1,0 +1,251 @@
+"""optimize() end to end with the empty pipeline: transparent, cached, and faithful to eager."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import memplan
+import memplan.examples as examples
+from memplan.api import optimize
+from memplan.errors import CaptureError
+from memplan.measure import measure
+from memplan.steps import step_fn
+from memplan.testing import assert_equivalent, random_model, zoo
+
+EXAMPLES = [examples.make(name) for name in examples.WORKLOADS]
+ZOO = list(zoo())
+MODELS = [(w.name, w.model, w.inputs) for w in EXAMPLES] + [(z.name, z.model, z.inputs) for z in ZOO]
+
+
+@pytest.mark.parametrize("name,model,inputs", MODELS, ids=[m[0] for m in MODELS])
+def test_empty_pipeline_is_exact_and_never_uses_more_memory(name, model, inputs):
+    opt = optimize(model, passes="")
+    # identical: the same aten ops run in the same order
+    assert_equivalent(model, opt, *inputs, rtol=0, atol=0)
+    for train in (True, False):
+        eager_step, opt_step = step_fn(model, inputs, train=train), step_fn(opt, inputs, train=train)
+        opt_step()
+        assert measure(opt_step).peak <= measure(eager_step).peak
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_programs_are_exact(seed):
+    model, inputs = random_model(seed, requires_grad_input=True)
+    assert_equivalent(model, optimize(model, passes=""), *inputs, rtol=0, atol=0)
+
+
+def test_plan_is_cached_per_signature():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    opt = optimize(model, passes="")
+    x = torch.randn(4, 8)
+    for _ in range(3):
+        opt(x).sum().backward()
+    assert opt.plans_built == 1
+    opt(torch.randn(5, 8))  # new shape
+    assert opt.plans_built == 2
+    with torch.no_grad():
+        opt(x)  # grad mode is part of the signature
+    assert opt.plans_built == 3
+    opt.eval()
+    opt(x)  # train/eval too
+    assert opt.plans_built == 4
+    opt(x.double().float())  # same signature again
+    assert opt.plans_built == 4
+
+
+def test_parameters_are_the_models_own_and_optimizers_work():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 2))
+    reference = copy.deepcopy(model)
+    opt = optimize(model, passes="")
+    assert [id(p) for p in opt.parameters()] == [id(p) for p in model.parameters()]
+    assert list(opt.state_dict()) == list(model.state_dict())
+    x = torch.randn(10, 6)
+    sgd_a = torch.optim.SGD(opt.parameters(), lr=0.1)
+    sgd_b = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(3):
+        for module, sgd in ((opt, sgd_a), (reference, sgd_b)):
+            sgd.zero_grad()
+            module(x).pow(2).mean().backward()
+            sgd.step()
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    state = opt.state_dict()
+    fresh = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 2))
+    optimize(fresh).load_state_dict(state)
+    torch.testing.assert_close(fresh(x), model(x))
+
+
+def test_dtype_change_replans_and_runs():
+    model = nn.Linear(4, 3)
+    opt = optimize(model, passes="")
+    x = torch.randn(2, 4)
+    opt(x)
+    opt.to(torch.float64)
+    out = opt(x.double())
+    assert out.dtype == torch.float64 and opt.plans_built == 2
+    torch.testing.assert_close(out, model(x.double()))
+
+
+class Structured(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, pair, scale):
+        a, b = pair
+        h = self.fc(a) * scale
+        return {"sum": h + b, "parts": [h, b.abs()], "count": 3}
+
+
+def test_structured_inputs_and_outputs():
+    model = Structured()
+    opt = optimize(model, passes="")
+    pair = (torch.randn(3, 4, requires_grad=True), torch.randn(3, 4))
+    scale = torch.tensor(2.0)
+    out, expected = opt(pair, scale), model(pair, scale)
+    assert out["count"] == 3 and isinstance(out["parts"], list)
+    torch.testing.assert_close(out["sum"], expected["sum"])
+    out["sum"].sum().backward()
+    assert pair[0].grad is not None
+
+
+class Dropper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        noise = torch.randn_like(x)
+        return self.drop(self.fc(x + noise)).tanh()
+
+
+def test_random_ops_match_eager_under_the_same_seed():
+    model = Dropper()
+    assert_equivalent(model, optimize(model, passes=""), torch.randn(8, 16), rtol=0, atol=0)
+
+
+def test_batchnorm_running_statistics_update_like_eager():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 5), nn.BatchNorm1d(5))
+    reference = copy.deepcopy(model)
+    opt = optimize(model, passes="")
+    x = torch.randn(7, 5)
+    for _ in range(2):
+        opt(x).sum().backward()
+        reference(x).sum().backward()
+    bn, ref = model[1], reference[1]
+    torch.testing.assert_close(bn.running_mean, ref.running_mean, rtol=0, atol=0)
+    torch.testing.assert_close(bn.running_var, ref.running_var, rtol=0, atol=0)
+    assert bn.num_batches_tracked.item() == ref.num_batches_tracked.item() == 2
+
+
+class MutatesInput(nn.Module):
+    def forward(self, x, counter):
+        counter.add_(1)
+        return x * 2
+
+
+def test_model_that_mutates_an_input_behaves_like_eager():
+    opt = optimize(MutatesInput(), passes="")
+    counter = torch.zeros(())
+    x = torch.randn(3, requires_grad=True)
+    opt(x, counter).sum().backward()
+    opt(x, counter)
+    assert counter.item() == 2
+
+
+class UpdatesParameterInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.w.mul_(0.5)  # a weight update inside forward: autograd allows it under no_grad
+        return x * self.w
+
+
+def test_inplace_update_of_a_parameter_is_a_clear_error():
+    opt = optimize(UpdatesParameterInPlace(), passes="")
+    with pytest.raises(CaptureError, match=r"writes in place into parameter 'w'.*test_optimize.py"):
+        opt(torch.randn(3, requires_grad=True))
+
+
+class MutatesDifferentiable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        y = x * 2
+        y.mul_(self.w)
+        x.add_(1)
+        return y
+
+
+def test_inplace_update_of_a_differentiable_input_is_a_clear_error():
+    opt = optimize(MutatesDifferentiable(), passes="")
+    x = torch.randn(3, requires_grad=True).clone()  # a non-leaf: eager allows the in-place add
+    with pytest.raises(CaptureError, match=r"writes in place into an input that requires grad at .*test_optimize.py"):
+        opt(x)
+
+
+def test_wrong_arity_says_what_is_wrong():
+    opt = optimize(nn.Linear(3, 3), passes="")
+    with pytest.raises(CaptureError, match="TypeError"):
+        opt(torch.randn(2, 3), torch.randn(2, 3))
+
+
+class DataDependent(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:
+            return x * 2
+        return x - 1
+
+
+def test_uncapturable_model_raises_or_falls_back_to_eager():
+    x = torch.randn(4)
+    with pytest.raises(CaptureError, match='fallback="eager"'):
+        optimize(DataDependent())(x)
+    opt = optimize(DataDependent(), fallback="eager")
+    with pytest.warns(UserWarning, match="eagerly"):
+        out = opt(x)
+    torch.testing.assert_close(out, DataDependent()(x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt(x)  # the decision is cached: no second warning
+
+
+def test_plan_and_code_are_readable():
+    opt = optimize(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), passes="")
+    with pytest.raises(RuntimeError, match="call the module once"):
+        opt.code
+    opt(torch.randn(2, 4)).sum().backward()
+    assert "training plan: peak" in str(opt.plan) and "->" in str(opt.plan)
+    code = opt.code
+    assert "# forward" in code and "# backward" in code and "relu" in code and "threshold_backward" in code
+    assert opt.plan.saved_bytes > 0
+
+
+def test_retain_graph_allows_a_second_backward():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    opt = optimize(model, passes="")
+    x = torch.randn(3, 4)
+    loss = opt(x).sum()
+    loss.backward(retain_graph=True)
+    first = model[0].weight.grad.clone()
+    loss.backward()
+    torch.testing.assert_close(model[0].weight.grad, 2 * first)
+
+
+def test_public_api():
+    assert memplan.optimize is optimize
+    with pytest.raises(ValueError, match="fallback"):
+        optimize(nn.Linear(2, 2), fallback="sometimes")
+    with pytest.raises(ValueError, match="unknown pass"):
+        optimize(nn.Linear(2, 2), passes="nonexistent")

@@ -1,0 +1,113 @@
+"""The pass pipeline: registry, contract checks, verification, instrumentation and reproducers."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from memplan.analysis.peak import PeakSimulation
+from memplan.analysis.tensors import Tensors
+from memplan.capture import capture
+from memplan.errors import PassError
+from memplan.pipeline import PassManager, PassResult, PassStats, parse_pipeline, register_pass, registered_passes, replay
+
+
+def chain(x):
+    a = x.exp()
+    b = a.sin()
+    c = a.cos()  # reads a after sin: making sin in-place into a would clobber it
+    return b + c
+
+
+@register_pass("_test_clobber")
+def clobber(graph, ctx):
+    """A wrong pass: turns a.sin() into a.sin_() although a is read later."""
+    node = next(n for n in graph.gm.graph.nodes if n.target == torch.ops.aten.sin.default)
+    node.target = torch.ops.aten.sin_.default
+    node.meta["val"] = node.args[0].meta["val"]
+    graph.gm.recompile()
+    return PassResult(graph, changed=True, stats=PassStats(nodes_rewritten=1))
+
+
+@register_pass("_test_raises")
+def raises(graph, ctx):
+    raise ValueError("something the pass did not expect")
+
+
+@register_pass("_test_lies")
+def lies(graph, ctx):
+    return PassResult(dataclasses.replace(graph), changed=False)
+
+
+@register_pass("_test_identity")
+def identity(graph, ctx):
+    ctx.am.get(Tensors)  # passes read analyses through the manager
+    return PassResult(graph, changed=False, notes=("nothing to do",))
+
+
+def test_unknown_pass_lists_the_registered_ones():
+    with pytest.raises(ValueError, match=r"unknown pass\(es\) \['nope'\]; registered passes are \["):
+        parse_pipeline("inplace_that_does_not_exist,nope".split(",")[1])
+
+
+def test_duplicate_registration_is_an_error():
+    with pytest.raises(ValueError, match="already registered"):
+        register_pass("_test_identity", identity)
+
+
+def test_pipeline_string_parsing():
+    assert parse_pipeline(" _test_identity , _test_identity ") == ("_test_identity", "_test_identity")
+    assert "_test_identity" in registered_passes()
+
+
+def test_a_pass_that_clobbers_a_live_value_is_caught():
+    graph = capture(chain, torch.randn(8), train=False)
+    with pytest.raises(PassError, match=r"pass '_test_clobber' broke an invariant: in-place write by sin_? clobbers a value cos"):
+        PassManager("_test_identity,_test_clobber").run(graph)
+
+
+def test_failure_names_the_pass_and_those_before_and_saves_a_reproducer(tmp_path):
+    graph = capture(chain, torch.randn(8, requires_grad=True))
+    with pytest.raises(PassError) as info:
+        PassManager("_test_identity,_test_raises", reproducer_dir=tmp_path).run(graph)
+    message = str(info.value)
+    assert "pass '_test_raises' raised ValueError: something the pass did not expect" in message
+    assert "Passes run before it: _test_identity" in message
+    repro = tmp_path / "memplan-repro-_test_raises"
+    assert (repro / "graph.py").exists() and (repro / "pipeline.txt").read_text().strip() == "_test_raises"
+    assert isinstance(info.value.__cause__, ValueError)
+    # replaying the reproducer fails the same way
+    with pytest.raises(PassError, match="_test_raises"):
+        replay(repro)
+
+
+def test_reproducer_restores_shapes_and_analyses(tmp_path):
+    from memplan.pipeline import load_reproducer, save_reproducer
+
+    graph = capture(chain, torch.randn(64, requires_grad=True))
+    path = save_reproducer(dataclasses.replace(graph, lifetimes="graph"), "_test_identity", tmp_path / "r")
+    loaded, pipeline = load_reproducer(path)
+    assert pipeline == "_test_identity"
+    from memplan.analysis.manager import AnalysisManager
+
+    original = AnalysisManager(dataclasses.replace(graph, lifetimes="graph")).get(PeakSimulation).peak
+    assert AnalysisManager(loaded).get(PeakSimulation).peak == original
+    assert replay(path).records[0].notes == ("nothing to do",)
+
+
+def test_reporting_unchanged_while_returning_a_new_graph_is_an_error():
+    graph = capture(chain, torch.randn(8), train=False)
+    with pytest.raises(PassError, match="changed=False"):
+        PassManager("_test_lies").run(graph)
+
+
+def test_records_and_instrumentation():
+    seen = []
+    graph = capture(chain, torch.randn(8), train=False)
+    result = PassManager(
+        "_test_identity", before_pass=lambda n, g: seen.append(("before", n)), after_pass=lambda n, g: seen.append(("after", n))
+    ).run(graph)
+    assert seen == [("before", "_test_identity"), ("after", "_test_identity")]
+    (record,) = result.records
+    assert record.name == "_test_identity" and not record.changed and record.peak_before == record.peak_after
+    assert result.graph.lifetimes == "graph"
