@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from memplan.analysis.manager import Analysis, AnalysisManager
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph, Phase
+from memplan.graphutil import packet_name
 
 __all__ = ["SavedTensor", "SavedForBackward"]
 
@@ -55,7 +56,7 @@ class SavedForBackward(Analysis):
             if graph.phases.get(node.name) is not Phase.FORWARD or node.name not in graph.seq_nr:
                 continue
             seq = graph.seq_nr[node.name]
-            if _packet_name(node) in _ALIAS_OPS:
+            if packet_name(node) in _ALIAS_OPS:
                 alias_by_seq.setdefault(seq, node.name)
             else:
                 forward_by_seq.setdefault(seq, node.name)
@@ -70,7 +71,7 @@ class SavedForBackward(Analysis):
             readers: list[str] = []
             for member in storage.members:
                 for user in by_name[member].users:
-                    if _packet_name(user) in _METADATA_ONLY_OPS:
+                    if packet_name(user) in _METADATA_ONLY_OPS:
                         continue  # reads the shape, not the values
                     if graph.phases.get(user.name) is Phase.BACKWARD and user.name not in readers:
                         readers.append(user.name)
@@ -85,8 +86,3 @@ class SavedForBackward(Analysis):
                     break
             saved[sid] = SavedTensor(sid, storage.nbytes, storage.creator, tuple(readers), needed_by)
         return cls(saved=saved)
-
-
-def _packet_name(node) -> str:
-    packet = getattr(node.target, "overloadpacket", None)
-    return packet.__name__ if packet is not None else ""

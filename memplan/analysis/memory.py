@@ -20,6 +20,7 @@ from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation, SimEvent
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph, Phase, SourceLine, capture
+from memplan.graphutil import packet_name
 from memplan.measure import format_bytes
 
 __all__ = ["analyze", "MemoryAnalysis", "PeakTensor", "Explanation"]
@@ -166,7 +167,7 @@ class MemoryAnalysis:
             shape=first.shape,
             dtype=first.dtype,
             node=storage.creator,
-            op=_packet(creator) or str(creator.target),
+            op=packet_name(creator) or str(creator.target),
             phase=self.graph.phases[storage.creator].value,
             source=self.graph.sources.get(storage.creator),
             reason=self._reason(sid, at),
@@ -212,11 +213,11 @@ class MemoryAnalysis:
 
     def _provenance(self, node: torch.fx.Node) -> str | None:
         """Say when a storage is a copy of an input or parameter, especially a broadcast (expanded) one."""
-        if _packet(node) not in COPY_OPS or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        if packet_name(node) not in COPY_OPS or not node.args or not isinstance(node.args[0], torch.fx.Node):
             return None
         source, expanded = node.args[0], False
-        while source.op == "call_function" and _packet(source) in VIEW_OPS and source.args:
-            expanded = expanded or _packet(source) == "expand"
+        while source.op == "call_function" and packet_name(source) in VIEW_OPS and source.args:
+            expanded = expanded or packet_name(source) == "expand"
             if not isinstance(source.args[0], torch.fx.Node):
                 return None
             source = source.args[0]
@@ -233,11 +234,6 @@ class MemoryAnalysis:
                 f"{ratio:.0f}x its size"
             )
         return f"copy of {what}"
-
-
-def _packet(node: torch.fx.Node) -> str:
-    packet = getattr(node.target, "overloadpacket", None)
-    return packet.__name__ if packet is not None else ""
 
 
 def analyze(

@@ -1,0 +1,140 @@
+"""Small helpers every pass needs: naming ops, spotting random ops, editing a captured graph safely.
+
+A pass that adds nodes must give each one a fake value (``meta["val"]``, fx's shape record, which the
+analyses read), a phase (forward or backward) and, where it can, the user's source line.
+:class:`GraphEditor` does all three and returns a new :class:`~memplan.capture.CapturedGraph`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from memplan.capture import CapturedGraph, Phase
+
+__all__ = ["packet_name", "is_random", "fake_value", "GraphEditor"]
+
+
+def packet_name(node: torch.fx.Node) -> str:
+    """``"mm"`` for ``aten.mm.default``; ``""`` for non-operator nodes."""
+    packet = getattr(node.target, "overloadpacket", None)
+    return packet.__name__ if packet is not None else ""
+
+
+def is_random(node: torch.fx.Node) -> bool:
+    """True for ops that draw from the RNG (their values change if they run twice)."""
+    tags = getattr(node.target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
+
+
+def _fake_mode_of(values: list[Any]):
+    for value in values:
+        mode = getattr(value, "fake_mode", None)
+        if mode is not None:
+            return mode
+    raise ValueError("no fake tensor among the arguments: cannot infer the fake mode")
+
+
+def fake_value(target: Callable[..., Any], args: tuple, kwargs: dict | None = None) -> Any:
+    """Run ``target`` on the fake values of fx-node arguments: the new node's ``meta["val"]``."""
+    kwargs = kwargs or {}
+
+    def to_val(a: Any) -> Any:
+        return a.meta["val"] if isinstance(a, torch.fx.Node) else a
+
+    fake_args = pytree.tree_map(to_val, args)
+    fake_kwargs = pytree.tree_map(to_val, kwargs)
+    mode = _fake_mode_of(pytree.tree_leaves((fake_args, fake_kwargs)))
+    with mode:
+        return target(*fake_args, **fake_kwargs)
+
+
+class GraphEditor:
+    """Edits ``graph.gm`` in place and tracks phases, sources and sequence numbers of new nodes.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from memplan.capture import capture
+    >>> g = capture(lambda x: x.exp(), torch.randn(4), train=False)
+    >>> ed = GraphEditor(g)
+    >>> exp = next(n for n in g.gm.graph.nodes if packet_name(n) == "exp")
+    >>> neg = ed.call(torch.ops.aten.neg.default, (exp,), like=exp, after=exp)
+    >>> tuple(neg.meta["val"].shape), ed.finish().phases[neg.name].value
+    ((4,), 'forward')
+    """
+
+    def __init__(self, graph: CapturedGraph):
+        self.graph = graph
+        self.gm = graph.gm
+        self.phases = dict(graph.phases)
+        self.sources = dict(graph.sources)
+        self.seq_nr = dict(graph.seq_nr)
+        self.changed = False
+
+    def call(
+        self,
+        target: Callable[..., Any],
+        args: tuple,
+        kwargs: dict | None = None,
+        *,
+        like: torch.fx.Node | None = None,
+        phase: Phase | None = None,
+        before: torch.fx.Node | None = None,
+        after: torch.fx.Node | None = None,
+        name: str | None = None,
+    ) -> torch.fx.Node:
+        """Insert ``target(*args, **kwargs)``; its phase and source come from ``like`` unless given."""
+        if (before is None) == (after is None):
+            raise ValueError("give exactly one of before= or after=")
+        graph = self.gm.graph
+        ctx = graph.inserting_before(before) if before is not None else graph.inserting_after(after)
+        with ctx:
+            node = graph.call_function(target, args, kwargs or {}, name=name)
+        node.meta["val"] = fake_value(target, args, kwargs)
+        self._inherit(node, like, phase)
+        self.changed = True
+        return node
+
+    def copy(self, node: torch.fx.Node, remap: Callable[[torch.fx.Node], torch.fx.Node], *, phase: Phase,
+             before: torch.fx.Node) -> torch.fx.Node:
+        """A copy of ``node`` with its inputs remapped (e.g. recomputation in the backward)."""
+        with self.gm.graph.inserting_before(before):
+            new = self.gm.graph.node_copy(node, remap)
+        new.meta = {"val": fake_value(node.target, new.args, new.kwargs)}
+        self._inherit(new, node, phase)
+        self.changed = True
+        return new
+
+    def _inherit(self, node: torch.fx.Node, like: torch.fx.Node | None, phase: Phase | None) -> None:
+        if like is not None:
+            self.phases[node.name] = phase or self.phases.get(like.name, Phase.FORWARD)
+            if like.name in self.sources:
+                self.sources[node.name] = self.sources[like.name]
+            if like.name in self.seq_nr:
+                self.seq_nr[node.name] = self.seq_nr[like.name]
+        else:
+            self.phases[node.name] = phase or Phase.FORWARD
+
+    def erase(self, node: torch.fx.Node) -> None:
+        self.gm.graph.erase_node(node)
+        self.phases.pop(node.name, None)
+        self.changed = True
+
+    def finish(self) -> CapturedGraph:
+        """The edited graph, recompiled, with updated metadata (the input graph if nothing changed)."""
+        if not self.changed:
+            return self.graph
+        live = {n.name for n in self.gm.graph.nodes}
+        self.gm.recompile()
+        return dataclasses.replace(
+            self.graph,
+            phases={k: v for k, v in self.phases.items() if k in live},
+            sources={k: v for k, v in self.sources.items() if k in live},
+            seq_nr={k: v for k, v in self.seq_nr.items() if k in live},
+        )
