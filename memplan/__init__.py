@@ -8,7 +8,7 @@
 
 from memplan.analysis.memory import MemoryAnalysis, analyze
 from memplan.api import OptimizedModule, Plan, optimize
-from memplan.capture import CapturedGraph, capture
+from memplan.capture import CapturedGraph
 from memplan.errors import (
     CaptureError,
     InfeasibleBudgetError,
@@ -24,7 +24,6 @@ __version__ = "0.1.0"
 __all__ = [
     "optimize",
     "analyze",
-    "capture",
     "measure",
     "format_bytes",
     "OptimizedModule",

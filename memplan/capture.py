@@ -16,7 +16,8 @@ Stages
     ``"sum"`` seed, what ``model(x).sum().backward()`` does) or ``autograd.backward(outs, tangents)``
     (the ``"tangents"`` seed, used when memplan emits its own backward). The last node traced before
     backward starts marks the forward/backward boundary.
-(4) Trace with ``make_fx(tracing_mode="fake", record_stack_traces=True)``; turn data-dependent
+(4) Trace with ``make_fx(tracing_mode="fake")`` under a dispatch mode that records each forward op's
+    user line and when Python releases each storage; turn data-dependent
     control flow into :class:`~memplan.errors.CaptureError` naming the user's line.
 (5) Read what fx recorded (``val``, ``stack_trace``, ``seq_nr``) once, into a frozen
     :class:`CapturedGraph` keyed by node name. Nothing later reads ``node.meta`` for decisions
@@ -31,6 +32,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
+import linecache
+import sys
 import traceback
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -196,29 +199,6 @@ def is_user_frame(filename: str) -> bool:
     return not filename.startswith("<")
 
 
-def _user_line_from_stack_trace(stack_trace: str | None) -> SourceLine | None:
-    """The innermost user frame of an fx ``stack_trace`` string."""
-    if not stack_trace:
-        return None
-    found = None
-    lines = stack_trace.splitlines()
-    for i, line in enumerate(lines):
-        stripped = line.strip()
-        if not stripped.startswith('File "'):
-            continue
-        try:
-            file_part, rest = stripped[len('File "') :].split('", line ', 1)
-            lineno_part, _, function = rest.partition(", in ")
-            lineno = int(lineno_part)
-        except ValueError:
-            continue
-        if not is_user_frame(file_part):
-            continue
-        code = lines[i + 1].strip() if i + 1 < len(lines) and not lines[i + 1].strip().startswith("File") else ""
-        found = SourceLine(file_part, lineno, function.strip(), code)
-    return found
-
-
 def _user_line_from_traceback(tb) -> SourceLine | None:
     found = None
     for frame in traceback.extract_tb(tb):
@@ -364,10 +344,11 @@ def capture(
     def tag_backward(roots: list[torch.Tensor]) -> None:
         _check_constants(model, get_proxy_mode().tracer)
         mark_boundary()
+        recorders[0].in_backward = True
         _tag_backward_with_seq_nr([t.grad_fn for t in roots if t.grad_fn is not None])
 
     def flat_fn(*flat: torch.Tensor) -> list[Any]:
-        recorder = _ReleaseRecorder(get_proxy_mode().tracer.graph)
+        recorder = _ReleaseRecorder(get_proxy_mode().tracer.graph, stop=traced_body.__code__)
         recorders.append(recorder)
         with recorder:
             return traced_body(flat)
@@ -405,7 +386,7 @@ def capture(
             real_flat.extend(_tangent_examples(call_model, real_flat))
         with torch.enable_grad() if train else torch.no_grad(), fx_traceback.preserve_node_meta():
             gm = make_fx(
-                flat_fn, tracing_mode="fake", record_stack_traces=True, _allow_non_fake_inputs=True
+                flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True
             )(*real_flat)
     except CaptureError:
         raise
@@ -426,26 +407,56 @@ def capture(
         out_spec=out_spec_box["spec"],
         n_user=n_user,
         released=recorders[0].released_after if recorders else {},
+        recorded_sources=recorders[0].sources if recorders else {},
         differentiable=out_spec_box["differentiable"],
     )
 
 
 class _ReleaseRecorder(TorchDispatchMode):
-    """Records, per storage, the node after which the last Python object aliasing it died.
+    """Watches the trace: the user's line of each forward op, and when Python releases each storage.
 
-    The fake trace runs the user's Python exactly as eager would, so a traced tensor object dies when
-    the eager one would: when its variable is rebound or goes out of scope, or when autograd releases
-    it. That is when eager frees memory, which graph liveness alone cannot see.
+    Release: the fake trace runs the user's Python exactly as eager would, so a traced tensor object
+    dies when the eager one would: when its variable is rebound or goes out of scope, or when autograd
+    releases it. That is when eager frees memory, which graph liveness alone cannot see.
+
+    Source lines: the innermost user frame below ``stop`` (the traced body), found by walking frames;
+    much cheaper than formatting a whole stack per node, and backward nodes get theirs by ``seq_nr``.
     """
 
-    def __init__(self, graph: torch.fx.Graph):
+    def __init__(self, graph: torch.fx.Graph, stop: Any):
         super().__init__()
         self.graph = graph
+        self.stop = stop
         self.alive: dict[StorageWeakRef, int] = {}
         self.released_after: dict[StorageWeakRef, str] = {}
+        self.sources: dict[str, SourceLine] = {}
+        self.in_backward = False
+        self._user_file: dict[str, bool] = {}
+
+    def _user_line(self) -> SourceLine | None:
+        frame = sys._getframe(2)
+        while frame is not None and frame.f_code is not self.stop:
+            filename = frame.f_code.co_filename
+            user = self._user_file.get(filename)
+            if user is None:
+                user = self._user_file[filename] = is_user_frame(filename)
+            if user:
+                lineno = frame.f_lineno
+                code = linecache.getline(filename, lineno).strip()
+                return SourceLine(filename, lineno, frame.f_code.co_name, code)
+            frame = frame.f_back
+        return None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        last = self.graph._root.prev
         out = func(*args, **(kwargs or {}))
+        if not self.in_backward and self.graph._root.prev is not last:
+            line = self._user_line()
+            if line is not None:
+                node = last.next
+                while node is not self.graph._root:
+                    self.sources[node.name] = line
+                    node = node.next
         for tensor in pytree.tree_leaves(out):
             if isinstance(tensor, torch.Tensor):
                 key = StorageWeakRef(tensor.untyped_storage())
@@ -578,6 +589,7 @@ def _build_captured(
     n_user: int,
     released: Mapping[StorageWeakRef, str],
     differentiable: Sequence[bool],
+    recorded_sources: Mapping[str, SourceLine],
 ) -> CapturedGraph:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     kinds = ["parameter"] * len(param_names) + ["buffer"] * len(buffer_names) + ["input"] * n_user
@@ -608,7 +620,7 @@ def _build_captured(
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        line = _user_line_from_stack_trace(node.meta.get("stack_trace"))
+        line = recorded_sources.get(node.name)
         if phases[node.name] is Phase.FORWARD:
             if line is not None:
                 sources[node.name] = line
