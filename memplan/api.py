@@ -54,6 +54,15 @@ class Plan:
     plan_seconds: float
     emitted: Emitted = dataclasses.field(repr=False)
     graph: CapturedGraph = dataclasses.field(repr=False)
+    original: CapturedGraph = dataclasses.field(repr=False)  # as captured, before any pass
+
+    def report(self, title: str = "memplan report"):
+        """The memory report of this plan (before and after); ``.save_html(path)`` writes it."""
+        from memplan.report.data import build_report
+
+        return build_report(
+            self.original, self.graph, records=self.records, title=title, parameter_bytes=_external_bytes(self.original)
+        )
 
     @property
     def code(self) -> str:
@@ -158,6 +167,13 @@ class OptimizedModule(nn.Module):
         """The plan of the most recent call (None before the first call)."""
         return self._last
 
+    def report(self, title: str | None = None):
+        """The memory report of the most recent plan: timelines before and after, passes, graph."""
+        if self._last is None:
+            raise RuntimeError("nothing is planned yet: call the module once first")
+        name = type(self.original).__name__ if isinstance(self.original, nn.Module) else getattr(self.original, "__name__", "model")
+        return self._last.report(title or f"memplan report: {name}")
+
     @property
     def code(self) -> str:
         """Readable generated code of the most recent plan's forward and backward."""
@@ -188,6 +204,7 @@ class OptimizedModule(nn.Module):
             plan_seconds=time.perf_counter() - start,
             emitted=emitted,
             graph=result.graph,
+            original=graph,
         )
 
     # -- running ----------------------------------------------------------------------------------
@@ -224,6 +241,20 @@ class OptimizedModule(nn.Module):
             buffers = [b for _, b in original.named_buffers(remove_duplicate=True)]
             return [*params, *buffers, *leaves]
         return list(leaves)
+
+
+def _external_bytes(graph: CapturedGraph) -> int:
+    """Bytes of the parameters and buffers the graph reads (they exist before a step)."""
+    tensors = AnalysisManager(graph).get(Tensors)
+    seen: set[int] = set()
+    total = 0
+    for spec in graph.inputs:
+        if spec.kind in ("parameter", "buffer"):
+            for sid in tensors.storages_of(spec.node):
+                if sid not in seen:
+                    seen.add(sid)
+                    total += tensors.storages[sid].nbytes
+    return total
 
 
 def _check_mutations(graph: CapturedGraph) -> None:

@@ -36,14 +36,33 @@ class BenchRow:
     predicted: int  # memplan.analyze's peak, bytes
     plan_seconds: float  # capture + analysis
     eager_seconds: float  # median step time
+    pipeline: str = ""
+    optimized: int | None = None  # peak of memplan.optimize(model, passes=pipeline), bytes (the ruler)
+    planned: int | None = None  # the plan's predicted peak
+    optimized_seconds: float | None = None  # median step time, timed interleaved with eager
 
     @property
     def prediction_ratio(self) -> float:
         return self.predicted / self.measured if self.measured else float("nan")
 
+    @property
+    def reduction(self) -> float | None:
+        """How many times lower the optimized peak is (eager / optimized)."""
+        if self.optimized is None:
+            return None
+        return self.measured / self.optimized if self.optimized else float("inf")
+
+    @property
+    def time_ratio(self) -> float | None:
+        if self.optimized_seconds is None:
+            return None
+        return self.optimized_seconds / self.eager_seconds if self.eager_seconds else float("nan")
+
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["prediction_ratio"] = self.prediction_ratio
+        out["reduction"] = self.reduction
+        out["time_ratio"] = self.time_ratio
         return out
 
 
@@ -63,30 +82,49 @@ class BenchResult:
     def __rich__(self) -> Any:
         from rich.table import Table
 
-        table = Table(title=f"memplan bench on {self.device_name} (torch {self.torch_version})", title_justify="left")
-        for column in ("workload", "mode", "eager peak (measured)", "predicted peak", "predicted/measured", "plan s", "eager step ms"):
-            table.add_column(column, justify="right" if column not in ("workload", "mode") else "left")
+        optimized = any(row.optimized is not None for row in self.rows)
+        pipeline = next((row.pipeline for row in self.rows if row.optimized is not None), "")
+        title = f"memplan bench on {self.device_name} (torch {self.torch_version})"
+        if optimized:
+            title += f"; memplan pipeline: {pipeline or '(empty)'}"
+        table = Table(title=title, title_justify="left")
+        columns = ["workload", "mode", "eager peak", "predicted", "pred/meas"]
+        if optimized:
+            columns += ["memplan peak", "x lower", "time ratio"]
+        columns += ["plan s", "eager ms"]
+        for column in columns:
+            table.add_column(column, justify="left" if column in ("workload", "mode") else "right")
         for row in self.rows:
             ratio = row.prediction_ratio
             style = "green" if abs(ratio - 1) <= 0.05 else "red"
-            table.add_row(
-                row.workload, row.mode, format_bytes(row.measured), format_bytes(row.predicted),
-                f"[{style}]{ratio:.3f}[/{style}]", f"{row.plan_seconds:.2f}", f"{row.eager_seconds * 1e3:.1f}",
-            )
+            cells = [row.workload, row.mode, format_bytes(row.measured), format_bytes(row.predicted), f"[{style}]{ratio:.3f}[/{style}]"]
+            if optimized:
+                if row.optimized is None:
+                    cells += ["-", "-", "-"]
+                else:
+                    cells += [format_bytes(row.optimized), f"{row.reduction:.2f}x", f"{row.time_ratio:.2f}"]
+            cells += [f"{row.plan_seconds:.2f}", f"{row.eager_seconds * 1e3:.1f}"]
+            table.add_row(*cells)
         return table
 
 
-def _median_seconds(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
-    times = []
+def _seconds(fn: Callable[[], Any], device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def interleaved_medians(fns: list[Callable[[], Any]], repeats: int, device: torch.device) -> list[float]:
+    """Median seconds of each function, timed in alternation so machine noise hits all alike."""
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for i, fn in enumerate(fns):
+            times[i].append(_seconds(fn, device))
+    return [statistics.median(t) for t in times]
 
 
 def device_name(device: torch.device) -> str:
@@ -101,10 +139,19 @@ def run_bench(
     size: str = "small",
     device: str = "cpu",
     modes: Iterable[str] = ("train", "infer"),
-    repeats: int = 3,
+    repeats: int = 5,
+    passes: str | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> BenchResult:
-    """Run the bench and return its rows (rendering is the caller's business)."""
+    """Run the bench and return its rows (rendering is the caller's business).
+
+    ``passes``: None measures eager only; a pipeline string (``""`` for the empty one, ``"default"`` for
+    memplan's default) also runs ``memplan.optimize(model, passes=...)`` side by side.
+    """
+    from memplan.api import DEFAULT_PIPELINE, optimize
+
+    if passes == "default":
+        passes = ",".join(DEFAULT_PIPELINE)
     dev = torch.device(device)
     rows = []
     for name in names or examples.WORKLOADS:
@@ -119,10 +166,25 @@ def run_bench(
             step = step_fn(workload.model, workload.inputs, train=train)
             step()  # warm up kernels and the allocator outside the measurement
             measured = measure(step).peak
-            rows.append(
-                BenchRow(
-                    workload=name, mode=mode, size=size, device=str(dev), measured=measured, predicted=predicted,
-                    plan_seconds=plan_seconds, eager_seconds=_median_seconds(step, repeats, dev),
-                )
+            row = BenchRow(
+                workload=name, mode=mode, size=size, device=str(dev), measured=measured, predicted=predicted,
+                plan_seconds=plan_seconds, eager_seconds=0.0,
             )
+            if passes is None:
+                (eager_seconds,) = interleaved_medians([step], repeats, dev)
+                row = dataclasses.replace(row, eager_seconds=eager_seconds)
+            else:
+                opt = optimize(workload.model, passes=passes)
+                opt_step = step_fn(opt, workload.inputs, train=train)
+                start = time.perf_counter()
+                opt_step()  # plans on the first call
+                plan_seconds = time.perf_counter() - start
+                optimized = measure(opt_step).peak
+                eager_seconds, optimized_seconds = interleaved_medians([step, opt_step], repeats, dev)
+                row = dataclasses.replace(
+                    row, eager_seconds=eager_seconds, pipeline=passes, optimized=optimized,
+                    planned=opt.plan.planned_peak if opt.plan is not None else None,
+                    optimized_seconds=optimized_seconds, plan_seconds=plan_seconds,
+                )
+            rows.append(row)
     return BenchResult(tuple(rows), torch.__version__, device_name(dev))

@@ -38,7 +38,10 @@ def _bench(args: argparse.Namespace) -> int:
             progress.update(task, description=label)
             progress.advance(task)
 
-        result = run_bench(names, size=args.size, device=args.device, modes=modes, repeats=args.repeats, progress=advance)
+        passes = None if args.eager_only else args.passes
+        result = run_bench(
+            names, size=args.size, device=args.device, modes=modes, repeats=args.repeats, passes=passes, progress=advance
+        )
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))
     else:
@@ -57,15 +60,12 @@ def _analyze(args: argparse.Namespace) -> int:
     import memplan.examples as examples
     from memplan.analysis.memory import analyze
 
-    if args.workload not in examples.WORKLOADS:
-        print(f"memplan analyze: unknown workload {args.workload!r}; choose from {list(examples.WORKLOADS)}", file=sys.stderr)
-        return 2
-    w = examples.make(args.workload, size=args.size, device=args.device)
-    result = analyze(w.model, *w.inputs, train=args.mode == "train")
+    name, model, inputs = load_target(args.workload, size=args.size, device=args.device)
+    result = analyze(model, *inputs, train=args.mode == "train")
     explanation = result.explain(top=args.top)
     if args.json:
         payload = {
-            "workload": w.name,
+            "workload": name,
             "mode": args.mode,
             "peak": result.peak,
             "saved_for_backward": result.saved.nbytes,
@@ -86,6 +86,64 @@ def _analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+def load_target(spec: str, size: str = "small", device: str = "cpu"):
+    """``(name, model, inputs)`` from an example name or ``path/to/file.py:factory``.
+
+    The factory is called with no arguments and returns ``(model, inputs)``, inputs a tuple of tensors.
+    """
+    import importlib.util
+    import pathlib
+
+    import memplan.examples as examples
+
+    if spec in examples.WORKLOADS:
+        w = examples.make(spec, size=size, device=device)
+        return w.name, w.model, w.inputs
+    path, sep, attr = spec.rpartition(":")
+    if not sep or not path.endswith(".py"):
+        raise SystemExit(
+            f"memplan: {spec!r} is neither an example ({', '.join(examples.WORKLOADS)}) nor FILE.py:FACTORY"
+        )
+    file = pathlib.Path(path)
+    if not file.exists():
+        raise SystemExit(f"memplan: no such file {path}")
+    module_spec = importlib.util.spec_from_file_location(file.stem, file)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.path.insert(0, str(file.parent.resolve()))
+    try:
+        module_spec.loader.exec_module(module)
+    finally:
+        sys.path.pop(0)
+    factory = getattr(module, attr, None)
+    if factory is None:
+        raise SystemExit(f"memplan: {path} has no {attr!r}; define def {attr}(): return model, (inputs, ...)")
+    made = factory()
+    if not (isinstance(made, tuple) and len(made) == 2):
+        raise SystemExit(f"memplan: {attr}() must return (model, inputs), got {type(made).__name__}")
+    model, inputs = made
+    if not isinstance(inputs, (tuple, list)):
+        inputs = (inputs,)
+    return f"{file.name}:{attr}", model, tuple(inputs)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from memplan.api import optimize
+    from memplan.steps import step_fn
+
+    name, model, inputs = load_target(args.target, size=args.size, device=args.device)
+    opt = optimize(model, passes=args.passes if args.passes != "default" else None)
+    step_fn(opt, inputs, train=args.mode == "train")()
+    report = opt.report(title=f"memplan report: {name} ({args.mode})")
+    path = report.save_html(args.out)
+    plan = opt.plan
+    console = Console(stderr=True)
+    console.print(plan.headline())
+    console.print(f"report written to {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memplan", description="Memory planning for PyTorch models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -95,19 +153,30 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--size", choices=("small", "full"), default="small", help="CPU defaults or the reports' full sizes")
     bench.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     bench.add_argument("--mode", choices=("train", "infer", "both"), default="both")
-    bench.add_argument("--repeats", type=int, default=3, help="timed repetitions per row (median)")
+    bench.add_argument("--repeats", type=int, default=5, help="timed repetitions per row (median, interleaved)")
+    bench.add_argument("--passes", default="default", help='memplan pipeline to compare with eager ("default", "" or e.g. "inplace,remat")')
+    bench.add_argument("--eager-only", action="store_true", help="measure and predict eager only")
     bench.add_argument("--json", action="store_true", help="machine-readable output")
     bench.add_argument("--check", action="store_true", help="exit 1 if a prediction is off by more than 5%%")
     bench.set_defaults(func=_bench)
 
     an = sub.add_parser("analyze", help="explain where an example workload's memory goes")
-    an.add_argument("workload")
+    an.add_argument("workload", help="an example name, or FILE.py:FACTORY where FACTORY() returns (model, inputs)")
     an.add_argument("--size", choices=("small", "full"), default="small")
     an.add_argument("--device", default="cpu")
     an.add_argument("--mode", choices=("train", "infer"), default="train")
     an.add_argument("--top", type=int, default=10)
     an.add_argument("--json", action="store_true")
     an.set_defaults(func=_analyze)
+
+    rep = sub.add_parser("report", help="write an HTML memory report of an example or of your model")
+    rep.add_argument("target", help="an example name, or FILE.py:FACTORY where FACTORY() returns (model, inputs)")
+    rep.add_argument("--out", default="memplan-report.html")
+    rep.add_argument("--size", choices=("small", "full"), default="small")
+    rep.add_argument("--device", default="cpu")
+    rep.add_argument("--mode", choices=("train", "infer"), default="train")
+    rep.add_argument("--passes", default="default", help='pipeline to plan with ("default", "" or e.g. "inplace,remat")')
+    rep.set_defaults(func=_report)
     return parser
 
 

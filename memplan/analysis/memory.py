@@ -137,6 +137,13 @@ class MemoryAnalysis:
             f"saved for backward {format_bytes(self.saved.nbytes)})"
         )
 
+    def report(self, title: str = "memplan analysis"):
+        """The memory report of the model as written; ``.save_html(path)`` writes it."""
+        from memplan.api import _external_bytes
+        from memplan.report.data import build_report
+
+        return build_report(self.graph, title=title, parameter_bytes=_external_bytes(self.graph))
+
     def explain(self, top: int = 10) -> Explanation:
         """The tensors alive at the peak, largest first, with why each is alive."""
         sim = self.simulation
@@ -187,6 +194,8 @@ class MemoryAnalysis:
         if saved is not None and (peak_phase is Phase.BACKWARD or not self._read_later_in_forward(sid, at)):
             needed = graph.describe(saved.needed_by) if saved.needed_by else graph.describe(saved.readers[0])
             return f"saved for backward by {needed}"
+        if self._read_at(sid, at):
+            return "an input of the op at the peak"
         reader = self._next_reader(sid, at)
         if reader is not None:
             return f"waiting to be read by {graph.describe(reader)}"
@@ -196,6 +205,11 @@ class MemoryAnalysis:
                 "still holds it; `del` it or reuse the name after its last use"
             )
         return "kept to the end of the call"
+
+    def _read_at(self, sid: int, at: int) -> bool:
+        node = self.liveness.order[at]
+        members = set(self.tensors.storages[sid].members)
+        return any(arg.name in members for arg in self.graph.node(node).all_input_nodes)
 
     def _read_later_in_forward(self, sid: int, at: int) -> bool:
         reader = self._next_reader(sid, at)

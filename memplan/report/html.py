@@ -1,0 +1,234 @@
+"""Render a :class:`~memplan.report.data.MemoryReport` as one self-contained HTML file.
+
+No scripts, no fonts, no network: inline CSS and SVG only, so the file opens anywhere and can be
+attached to an issue. Every string that comes from the user's model (names, source lines, notes) is
+escaped. Hover a box or a band for details (SVG ``<title>`` tooltips).
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import zlib
+
+from memplan.measure import format_bytes
+from memplan.report.data import CATEGORIES, GraphView, MemoryReport, Timeline
+
+__all__ = ["render_html"]
+
+COLOURS = {
+    "parameters": "#9aa5b1",
+    "saved for backward": "#d9534f",
+    "temporaries": "#f0ad4e",
+    "gradients": "#5bc0de",
+    "outputs": "#5cb85c",
+}
+MAX_POINTS = 1200
+
+CSS = """
+body { font-family: system-ui, -apple-system, 'Segoe UI', sans-serif; margin: 2rem auto; max-width: 1200px;
+       color: #222; padding: 0 1rem; }
+h1 { font-size: 1.6rem; } h2 { font-size: 1.25rem; margin-top: 2.2rem; border-bottom: 1px solid #ddd; }
+.headline { font-size: 1.15rem; background: #f4f6f8; padding: .8rem 1rem; border-radius: 6px; }
+table { border-collapse: collapse; margin: .6rem 0; font-size: .9rem; }
+th, td { border: 1px solid #ddd; padding: .3rem .55rem; text-align: left; vertical-align: top; }
+th { background: #f4f6f8; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
+.legend span { display: inline-block; margin-right: 1rem; font-size: .85rem; }
+.legend i { display: inline-block; width: .9rem; height: .9rem; margin-right: .3rem; vertical-align: -2px; }
+svg { background: #fff; } .muted { color: #666; font-size: .85rem; }
+code { font-size: .85rem; }
+"""
+
+
+def _e(text: object) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def _downsample(values: list[int], buckets: int) -> list[int]:
+    """Max per bucket: a timeline drawn smaller than its steps keeps its peaks."""
+    if len(values) <= buckets:
+        return values
+    size = len(values) / buckets
+    return [max(values[int(i * size) : max(int((i + 1) * size), int(i * size) + 1)]) for i in range(buckets)]
+
+
+def _timeline_svg(timeline: Timeline, scale_max: int, width: int = 1100, height: int = 260) -> str:
+    n = len(timeline.steps)
+    if n == 0:
+        return "<p class='muted'>empty graph</p>"
+    buckets = min(n, MAX_POINTS)
+    stacked: list[list[int]] = []
+    base = [0] * buckets
+    layers = []
+    for cat in CATEGORIES:
+        values = _downsample(list(timeline.series[cat]), buckets)
+        top = [b + v for b, v in zip(base, values)]
+        layers.append((cat, list(base), top))
+        stacked.append(top)
+        base = top
+    pad_left, pad_bottom = 70, 22
+    plot_w, plot_h = width - pad_left - 10, height - pad_bottom - 10
+    ymax = max(scale_max, 1)
+
+    def x(i: int) -> float:
+        return pad_left + (i / max(buckets - 1, 1)) * plot_w
+
+    def y(v: int) -> float:
+        return 10 + plot_h - v / ymax * plot_h
+
+    parts = [f"<svg width='{width}' height='{height}' role='img' aria-label='{_e(timeline.label)} memory timeline'>"]
+    # backward region shading
+    phases = timeline.phases
+    first_backward = next((i for i, p in enumerate(phases) if p == "backward"), None)
+    if first_backward is not None:
+        xb = pad_left + first_backward / max(n - 1, 1) * plot_w
+        parts.append(f"<rect x='{xb:.1f}' y='10' width='{pad_left + plot_w - xb:.1f}' height='{plot_h}' fill='#f2f7fb'/>")
+        parts.append(f"<text x='{xb + 4:.1f}' y='24' font-size='11' fill='#4a7fa5'>backward</text>")
+    for cat, lower, upper in layers:
+        if not any(u - lo for u, lo in zip(upper, lower)):
+            continue
+        points = [f"{x(i):.1f},{y(v):.1f}" for i, v in enumerate(upper)]
+        points += [f"{x(i):.1f},{y(v):.1f}" for i, v in reversed(list(enumerate(lower)))]
+        parts.append(
+            f"<polygon points='{' '.join(points)}' fill='{COLOURS[cat]}' fill-opacity='0.85'>"
+            f"<title>{_e(cat)}</title></polygon>"
+        )
+    # axes and peak marker
+    parts.append(f"<line x1='{pad_left}' y1='{10 + plot_h}' x2='{pad_left + plot_w}' y2='{10 + plot_h}' stroke='#888'/>")
+    for frac in (0, 0.5, 1):
+        value = int(ymax * frac)
+        parts.append(f"<text x='{pad_left - 6}' y='{y(value) + 4:.1f}' font-size='11' text-anchor='end'>{_e(format_bytes(value))}</text>")
+    if timeline.peak_index >= 0:
+        px = pad_left + timeline.peak_index / max(n - 1, 1) * plot_w
+        peak_total = timeline.peak + timeline.series["parameters"][0]
+        parts.append(f"<line x1='{px:.1f}' y1='10' x2='{px:.1f}' y2='{10 + plot_h}' stroke='#222' stroke-dasharray='4 3'/>")
+        parts.append(
+            f"<text x='{px + 4:.1f}' y='{max(y(peak_total) - 4, 22):.1f}' font-size='12'>peak {_e(format_bytes(timeline.peak))}"
+            f" at {_e(timeline.steps[timeline.peak_index])}</text>"
+        )
+    parts.append(f"<text x='{pad_left}' y='{height - 4}' font-size='11' fill='#666'>{n} ops, in execution order</text>")
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _storage_colour(storage: int | None) -> str:
+    if storage is None:
+        return "#cfd8dc"
+    hue = (zlib.crc32(str(storage).encode()) % 360)
+    return f"hsl({hue},60%,62%)"
+
+
+def _graph_svg(view: GraphView, width: int = 1100) -> str:
+    groups = view.groups
+    if not groups:
+        return "<p class='muted'>no ops</p>"
+    row_h, box_x, arc_x = 18, 360, 350
+    height = len(groups) * row_h + 20
+    biggest = max((g.nbytes for g in groups), default=1) or 1
+    parts = [f"<svg width='{width}' height='{height}' role='img' aria-label='graph'>"]
+    for a, b in view.edges:
+        ya, yb = 10 + a * row_h + row_h / 2, 10 + b * row_h + row_h / 2
+        bend = min(arc_x - 10, 8 + abs(b - a) * 3)
+        parts.append(
+            f"<path d='M{arc_x},{ya:.1f} C{arc_x - bend},{ya:.1f} {arc_x - bend},{yb:.1f} {arc_x},{yb:.1f}' "
+            "fill='none' stroke='#b0bec5' stroke-width='1'/>"
+        )
+    for i, g in enumerate(groups):
+        y = 10 + i * row_h
+        w = 8 + (math.log2(1 + g.nbytes) / math.log2(1 + biggest)) * 420 if g.nbytes else 4
+        colour = _storage_colour(g.storage) if not view.collapsed else ("#ef9a9a" if g.phase == "backward" else "#90caf9")
+        count = f" ×{g.count}" if g.count > 1 else ""
+        tip = f"{g.op}{count} — {format_bytes(g.nbytes)} allocated — {g.phase}"
+        if g.source:
+            tip += f" — {g.source}"
+        if g.shares_with:
+            tip += f" — shares its storage with {g.shares_with} other node(s)"
+        parts.append(
+            f"<g><title>{_e(tip)}</title>"
+            f"<rect x='{box_x}' y='{y + 2}' width='{w:.1f}' height='{row_h - 4}' rx='3' fill='{colour}'/>"
+            f"<text x='{box_x + w + 6:.1f}' y='{y + row_h - 5}' font-size='11'>{_e(g.label)}{_e(count)} "
+            f"<tspan fill='#666'>{_e(format_bytes(g.nbytes))}</tspan></text>"
+            f"<text x='{arc_x - 4 - 0}' y='{y + row_h - 5}' font-size='10' text-anchor='end' fill='#555'>"
+            f"{_e((g.source or '')[:52])}</text></g>"
+        )
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _explain_table(explanation) -> str:
+    if explanation is None or not explanation.tensors:
+        return "<p class='muted'>no memory is allocated</p>"
+    rows = []
+    for t in explanation.tensors:
+        share = t.nbytes / explanation.peak if explanation.peak else 0
+        made = t.op + (f": {t.provenance}" if t.provenance else "")
+        rows.append(
+            f"<tr><td class='num'>{_e(format_bytes(t.nbytes))}</td><td class='num'>{share:.1%}</td>"
+            f"<td><code>{_e(list(t.shape))}</code> {_e(str(t.dtype).replace('torch.', ''))}</td>"
+            f"<td>{_e(made)}</td><td><code>{_e(t.source or '-')}</code></td><td>{_e(t.reason)}</td></tr>"
+        )
+    return (
+        f"<p>{_e(explanation._headline())}</p><table><tr><th>bytes</th><th>share</th><th>tensor</th><th>made by</th>"
+        f"<th>source line</th><th>alive because</th></tr>{''.join(rows)}</table>"
+    )
+
+
+def render_html(report: MemoryReport) -> str:
+    """The report as one HTML document (a string)."""
+    params = report.parameter_bytes
+    before_total = report.before.peak + params
+    headline = f"predicted peak {format_bytes(report.before.peak)}"
+    if report.after is not None:
+        ratio = report.after.peak / report.before.peak if report.before.peak else 1.0
+        headline = (
+            f"peak {format_bytes(report.before.peak)} → {format_bytes(report.after.peak)} ({ratio:.1%})"
+        )
+    headline += f" on top of {format_bytes(params)} of parameters" if params else ""
+    scale = max(before_total, (report.after.peak + params) if report.after is not None else 0)
+    legend = "".join(f"<span><i style='background:{COLOURS[c]}'></i>{_e(c)}</span>" for c in CATEGORIES)
+    sections = [
+        f"<h1>{_e(report.title)}</h1>",
+        f"<p class='headline'>{_e(headline)}</p>",
+        "<h2 id='timeline'>Memory timeline</h2>",
+        f"<div class='legend'>{legend}</div>",
+        f"<h3>{_e(report.before.label)}</h3>",
+        _timeline_svg(report.before, scale),
+    ]
+    if report.after is not None:
+        sections += [f"<h3>{_e(report.after.label)}</h3>", _timeline_svg(report.after, scale)]
+    sections += ["<h2 id='passes'>Passes</h2>"]
+    if report.passes:
+        rows = "".join(
+            f"<tr><td>{_e(p.name)}</td><td>{'yes' if p.changed else 'no'}</td>"
+            f"<td class='num'>{_e(format_bytes(p.peak_before))}</td><td class='num'>{_e(format_bytes(p.peak_after))}</td>"
+            f"<td class='num'>{_e(format_bytes(p.bytes_saved))}</td><td class='num'>+{p.recompute_added:.1%}</td>"
+            f"<td class='num'>{p.nodes_rewritten}</td><td class='num'>{p.seconds:.3f}</td><td>{_e('; '.join(p.notes))}</td></tr>"
+            for p in report.passes
+        )
+        sections.append(
+            "<table><tr><th>pass</th><th>changed</th><th>peak before</th><th>peak after</th><th>bytes saved</th>"
+            f"<th>recompute added</th><th>nodes rewritten</th><th>seconds</th><th>notes</th></tr>{rows}</table>"
+        )
+    else:
+        sections.append("<p class='muted'>no passes ran (analysis only, or the empty pipeline)</p>")
+    sections += ["<h2 id='peak'>Tensors alive at the peak</h2>", "<h3>as written</h3>", _explain_table(report.explain_before)]
+    if report.explain_after is not None:
+        sections += ["<h3>with memplan's plan</h3>", _explain_table(report.explain_after)]
+    view = report.graph
+    note = (
+        f"{view.nodes} ops collapsed into {len(view.groups)} boxes by source line and op (repeated timesteps of a loop "
+        "share one box, ×count); blue forward, red backward."
+        if view.collapsed
+        else f"{view.nodes} ops; one colour per storage: boxes of one colour share memory."
+    )
+    sections += [
+        "<h2 id='graph'>Graph</h2>",
+        f"<p class='muted'>{_e(note)} Box length grows with the bytes an op allocates; hover for details.</p>",
+        _graph_svg(view),
+    ]
+    body = "\n".join(sections)
+    return (
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
+        f"<title>{_e(report.title)}</title><style>{CSS}</style></head><body>\n{body}\n"
+        "<p class='muted'>made by memplan</p></body></html>\n"
+    )
