@@ -61,23 +61,31 @@ class PeakSimulation(Analysis):
             if interval.end < liveness.end:
                 dies.setdefault(interval.end, []).append(sid)
         by_name = {n.name: n for n in graph.gm.graph.nodes}
-        live: set[int] = set()
         live_bytes = 0
-        peak, peak_index, live_at_peak = 0, -1, ()
+        peak, peak_index = 0, -1
         events = []
         for index, name in enumerate(liveness.order):
             # Step 1: allocate what this node creates.
             allocated = sum(tensors.storages[sid].nbytes for sid in born.get(index, ()))
-            live.update(born.get(index, ()))
             live_bytes += allocated
             if live_bytes > peak:
                 peak, peak_index = live_bytes, index
-                live_at_peak = tuple(sorted(live, key=lambda s: (-tensors.storages[s].nbytes, s)))
             # Step 2: free what dies here.
             freed = sum(tensors.storages[sid].nbytes for sid in dies.get(index, ()))
-            live.difference_update(dies.get(index, ()))
             events.append(SimEvent(index, name, _op_str(by_name[name]), allocated, freed, live_bytes))
             live_bytes -= freed
+        # The storages live at the peak: born at or before it, dying at or after it.
+        live_at_peak = tuple(
+            sorted(
+                (
+                    sid
+                    for sid, storage in tensors.storages.items()
+                    if not storage.external
+                    and liveness.intervals[sid].start <= peak_index <= liveness.intervals[sid].end
+                ),
+                key=lambda s: (-tensors.storages[s].nbytes, s),
+            )
+        ) if peak_index >= 0 else ()
         return cls(timeline=tuple(events), peak=peak, peak_index=peak_index, live_at_peak=live_at_peak, after=live_bytes)
 
 
