@@ -1,0 +1,408 @@
+"""In-place reuse: a pointwise op writes its result into an input whose storage dies with it.
+
+What it does
+------------
+optnet's in-place trick and MXNet PlanMemory's ``refcount == 1`` rule, with the dependency
+information of the joint graph instead of a hand-kept list. When an out-of-place pointwise op
+(``aten.exp.default``, ``aten.add.Tensor``, ...) reads a tensor whose storage nobody reads afterwards,
+the op becomes its in-place overload (``aten.exp_.default``, ``aten.add_.Tensor``) and writes into
+that storage, so no new storage is allocated. In the joint forward+backward graph "nobody reads it
+afterwards" already covers autograd: a tensor saved for backward has backward readers later in the
+graph. The same rule lets the backward accumulate gradient contributions in place
+(``add(g1, g2)`` -> ``g1.add_(g2)`` when ``g1`` is dead).
+
+Stages
+------
+(1) Candidates: ``call_function`` nodes whose target is an out-of-place overload in
+    :data:`INPLACE_OPS` that has an in-place overload with the same arguments (found by schema,
+    :func:`inplace_overload`), that do not draw from the RNG and whose schema mutates nothing.
+(2) Plan (:func:`plan_inplace`): walk the graph in order, keeping storage groups (a rewritten node
+    joins the storage of the input it writes). A node may write into argument ``self`` (or ``other``
+    of a commutative op, by swapping the operands) when every soundness condition below holds.
+    The result is a frozen :class:`InplacePlan` of ``(node, input)`` pairs.
+(3) Apply (:func:`apply_inplace`): retarget each planned node to its in-place overload (swapping the
+    operands when it writes ``other``), set its fake value by running the in-place op on the fake
+    input (so the value shares the input's storage), and re-derive the fake values of every later
+    node that aliased the node's old output (views of it), so the storage analysis sees one storage.
+(4) Report: nodes rewritten and the simulated peak (graph lifetimes) before minus after.
+
+Preconditions
+-------------
+Graph lifetimes (the pipeline sets them). Fake values on every node (``meta["val"]``).
+
+Soundness conditions, each with the counterexample it rules out
+---------------------------------------------------------------
+(a) The input storage has no reader after the node, through any alias, and is not aliased by a graph
+    output. Counterexample: ``b = a.sin(); c = a.cos()``: ``sin_`` into ``a`` feeds ``cos`` the sine.
+(b) The storage is not external (parameter, buffer, user input, tangent, constant). Counterexample:
+    ``x.exp()`` on the user's ``x`` would overwrite the caller's tensor.
+(c) The input covers its whole storage, densely and without overlap (no ``expand``, no stride 0, no
+    slice of a bigger buffer). Counterexamples: ``x.expand(4, 3).exp_()`` writes one element four
+    times; ``cat(...)[:, :5].exp_()`` while another slice of the cat is still to be read.
+(d) The out-of-place result has the input's shape, dtype, strides and device: no broadcasting up,
+    no type promotion, same layout. Counterexample: ``a (3, 1) + b (3, 4)`` cannot fit in ``a``;
+    ``int_tensor * 0.5`` is a float; a ``(4, 3)`` transposed input would make later ``view`` calls
+    see other strides than the graph was traced with.
+(e) No other argument of the node aliases the written storage (the very same node may appear twice:
+    ``mul(a, a)`` is pointwise-safe). Counterexample: ``a.add_(a.t())`` reads elements it has
+    already overwritten.
+(f) Not a random op, not an op that already mutates. Counterexample: ``bernoulli`` would draw from
+    the RNG in another way; an in-place op's own ordering is the user's.
+(g) By default a backward node does not write into a storage the forward created (a tensor saved for
+    backward): with ``retain_graph=True`` autograd would hand the clobbered tensor to a second
+    backward (and raise its version-counter error). ``options={"inplace.saved": True}`` allows it for
+    users who never retain the graph.
+
+Never raises the peak: the written storage lives on where the node's own output would have lived,
+and both have the same size, so the live bytes never grow at any position.
+
+Left to other passes
+--------------------
+Reusing dead storages of other shapes or of non-adjacent ops (``arena``), reordering so that more
+inputs are dead in time (``schedule``), recomputation (``remat``) and non-pointwise ops (matmul,
+reductions: their out variants need the ``arena`` preallocation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from memplan.analysis.manager import AnalysisManager
+from memplan.analysis.liveness import Liveness
+from memplan.analysis.peak import PeakSimulation
+from memplan.analysis.tensors import Tensors, tensor_values
+from memplan.capture import CapturedGraph, Phase
+from memplan.graphutil import fake_value, is_random, packet_name
+from memplan.pipeline import PassContext, PassResult, PassStats, register_pass
+
+__all__ = [
+    "INPLACE_OPS",
+    "COMMUTATIVE_OPS",
+    "InplaceOptions",
+    "InplaceRewrite",
+    "InplacePlan",
+    "inplace_overload",
+    "plan_inplace",
+    "apply_inplace",
+    "is_dense_full",
+]
+
+#: Pointwise ops whose in-place overload computes the same values into ``self``. Membership is a
+#: promise about semantics (elementwise, ``self``-shaped); :func:`inplace_overload` still checks
+#: that the in-place overload exists with the same arguments.
+INPLACE_OPS: frozenset[str] = frozenset(
+    {
+        # unary
+        "abs", "neg", "exp", "exp2", "expm1", "log", "log1p", "log2", "log10", "sqrt", "rsqrt",
+        "sin", "cos", "tan", "sinh", "cosh", "tanh", "asin", "acos", "atan", "asinh", "acosh",
+        "atanh", "sigmoid", "logit", "relu", "reciprocal", "sgn", "sign", "floor", "ceil", "round",
+        "trunc", "frac", "erf", "erfc", "erfinv", "square", "silu", "gelu", "hardtanh",
+        "leaky_relu", "elu", "hardsigmoid", "hardswish", "mish", "nan_to_num", "clamp",
+        "clamp_min", "clamp_max", "threshold", "digamma", "lgamma", "sinc", "deg2rad", "rad2deg",
+        # binary and ternary
+        "add", "sub", "mul", "div", "pow", "atan2", "hypot", "fmod", "remainder", "copysign",
+        "lerp", "addcmul", "addcdiv", "xlogy", "masked_fill",
+    }
+)
+
+#: Ops whose first two operands commute exactly in floating point (IEEE ``+`` and ``*`` do), so the
+#: op may write into ``other`` by swapping. ``add`` only without an ``alpha``.
+COMMUTATIVE_OPS: frozenset[str] = frozenset({"add", "mul"})
+
+
+@dataclasses.dataclass(frozen=True)
+class InplaceOptions:
+    """Options of the pass (read from ``ctx.options`` keys ``"inplace.<field>"``).
+
+    Attributes
+    ----------
+    saved : bool
+        Let backward nodes write into storages the forward created (tensors saved for backward).
+        Off by default: a second backward with ``retain_graph=True`` would read the clobbered values.
+    """
+
+    saved: bool = False
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any]) -> "InplaceOptions":
+        return cls(saved=bool(options.get("inplace.saved", False)))
+
+
+@dataclasses.dataclass(frozen=True)
+class InplaceRewrite:
+    """``node`` becomes ``target`` writing into its argument ``input`` (``swap``: operands swapped)."""
+
+    node: str
+    input: str
+    target: str
+    swap: bool
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class InplacePlan:
+    """The rewrites, in graph order.
+
+    Examples
+    --------
+    >>> plan = InplacePlan((InplaceRewrite("exp", "sub", "aten.exp_.default", False, 1024),))
+    >>> plan.pairs
+    (('exp', 'sub'),)
+    >>> print(plan)
+    InplacePlan: 1 rewrite(s), 1.00 KiB written in place
+      exp -> aten.exp_.default into sub
+    """
+
+    rewrites: tuple[InplaceRewrite, ...]
+
+    @property
+    def pairs(self) -> tuple[tuple[str, str], ...]:
+        """``(node, input)`` pairs."""
+        return tuple((r.node, r.input) for r in self.rewrites)
+
+    def __str__(self) -> str:
+        from memplan.measure import format_bytes
+
+        total = sum(r.nbytes for r in self.rewrites)
+        lines = [f"InplacePlan: {len(self.rewrites)} rewrite(s), {format_bytes(total)} written in place"]
+        for r in self.rewrites:
+            swapped = " (operands swapped)" if r.swap else ""
+            lines.append(f"  {r.node} -> {r.target} into {r.input}{swapped}")
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# which ops
+
+
+def _signature(schema: torch._C.FunctionSchema) -> tuple[tuple[str, str, bool], ...]:
+    return tuple((a.name, str(a.type), a.kwarg_only) for a in schema.arguments)
+
+
+def _mutates(schema: torch._C.FunctionSchema) -> bool:
+    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
+@functools.lru_cache(maxsize=None)
+def inplace_overload(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """The in-place overload of ``op`` with the same arguments, or None.
+
+    Examples
+    --------
+    >>> inplace_overload(torch.ops.aten.add.Tensor)
+    <OpOverload(op='aten.add_', overload='Tensor')>
+    >>> inplace_overload(torch.ops.aten.pow.Tensor_Scalar)
+    <OpOverload(op='aten.pow_', overload='Scalar')>
+    >>> inplace_overload(torch.ops.aten.mm.default) is None
+    True
+    """
+    if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
+        return None
+    name = op.overloadpacket.__name__
+    if name not in INPLACE_OPS or _mutates(op._schema):
+        return None
+    packet = getattr(torch.ops.aten, name + "_", None)
+    if packet is None:
+        return None
+    wanted = _signature(op._schema)
+    for overload_name in packet.overloads():
+        candidate = getattr(packet, overload_name)
+        schema = candidate._schema
+        arguments = schema.arguments
+        if not arguments or arguments[0].alias_info is None or not arguments[0].alias_info.is_write:
+            continue
+        if _signature(schema) == wanted and not any(
+            a.alias_info is not None and a.alias_info.is_write for a in arguments[1:]
+        ):
+            return candidate
+    return None
+
+
+def is_dense_full(value: torch.Tensor) -> bool:
+    """True when ``value`` covers its whole storage, each byte once (dense, no overlap, offset 0).
+
+    Examples
+    --------
+    >>> x = torch.zeros(4, 3)
+    >>> is_dense_full(x), is_dense_full(x.t()), is_dense_full(x[:2]), is_dense_full(x[:1].expand(4, 3))
+    (True, True, False, False)
+    """
+    if value.storage_offset() != 0:
+        return False
+    if value.numel() * value.element_size() != value.untyped_storage().nbytes():
+        return False
+    dims = sorted((s for s in zip(value.stride(), value.shape) if s[1] != 1), key=lambda s: s[0])
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and a.device == b.device
+        and (a.numel() <= 1 or a.stride() == b.stride())
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# plan
+
+
+class _Groups:
+    """Storage groups while planning: a rewritten node's output joins the storage it writes."""
+
+    def __init__(self, tensors: Tensors):
+        self.root: dict[int, int] = {sid: sid for sid in tensors.storages}
+        self.members: dict[int, list[str]] = {sid: list(s.members) for sid, s in tensors.storages.items()}
+
+    def find(self, sid: int) -> int:
+        while self.root[sid] != sid:
+            sid = self.root[sid]
+        return sid
+
+    def merge(self, into: int, other: int) -> None:
+        into, other = self.find(into), self.find(other)
+        if into != other:
+            self.root[other] = into
+            self.members[into].extend(self.members.pop(other))
+
+
+def plan_inplace(graph: CapturedGraph, am: AnalysisManager, options: InplaceOptions = InplaceOptions()) -> InplacePlan:
+    """Choose the ``(node, input)`` pairs to rewrite (stages 1 and 2 of the module docstring)."""
+    tensors, liveness = am.get(Tensors), am.get(Liveness)
+    position = liveness.position
+    by_name = {n.name: n for n in graph.gm.graph.nodes}
+    groups = _Groups(tensors)
+    rewrites: list[InplaceRewrite] = []
+
+    def dead_after(root: int, p: int) -> bool:
+        for member in groups.members[root]:
+            for user in by_name[member].users:
+                if user.op == "output" or position.get(user.name, -1) > p:
+                    return False
+        return True
+
+    # Step 1: candidates, in graph order.
+    for node in graph.gm.graph.nodes:
+        if node.op != "call_function" or is_random(node):
+            continue
+        target = inplace_overload(node.target)
+        if target is None:
+            continue
+        out = node.meta.get("val")
+        if not isinstance(out, torch.Tensor):
+            continue
+        p = position[node.name]
+        # Step 2: the first argument position that satisfies every condition.
+        for index in _writable_positions(node):
+            arg = node.args[index]
+            if not isinstance(arg, torch.fx.Node) or not isinstance(arg.meta.get("val"), torch.Tensor):
+                continue
+            sids = tensors.storages_of(arg.name)
+            if len(sids) != 1:
+                continue
+            root = groups.find(sids[0])
+            storage = tensors.storages[root]
+            value = arg.meta["val"]
+            if storage.external:  # (b)
+                continue
+            if (
+                not options.saved
+                and graph.phases.get(node.name) is Phase.BACKWARD
+                and graph.phases.get(storage.creator) is Phase.FORWARD
+            ):  # (g)
+                continue
+            if not is_dense_full(value) or not _same_layout(value, out):  # (c), (d)
+                continue
+            if _other_alias(node, arg, root, tensors, groups):  # (e)
+                continue
+            if not dead_after(root, p):  # (a)
+                continue
+            rewrites.append(
+                InplaceRewrite(node.name, arg.name, str(target), swap=index == 1, nbytes=storage.nbytes)
+            )
+            for sid in tensors.storages_of(node.name):
+                groups.merge(root, sid)
+            break
+    return InplacePlan(tuple(rewrites))
+
+
+def _writable_positions(node: torch.fx.Node) -> tuple[int, ...]:
+    """``(0,)``, or ``(0, 1)`` for a commutative op whose operands may be swapped."""
+    if packet_name(node) in COMMUTATIVE_OPS and len(node.args) >= 2 and isinstance(node.args[1], torch.fx.Node):
+        alpha = node.kwargs.get("alpha", 1)
+        if alpha == 1 and len(node.args) == 2:
+            return (0, 1)
+    return (0,)
+
+
+def _other_alias(node: torch.fx.Node, arg: torch.fx.Node, root: int, tensors: Tensors, groups: _Groups) -> bool:
+    """True when another argument of ``node`` (not ``arg`` itself) aliases storage group ``root``."""
+    for other in node.all_input_nodes:
+        if other is arg:
+            continue
+        for sid in tensors.storages_of(other.name):
+            if groups.find(sid) == root:
+                return True
+    return False
+
+
+# ----------------------------------------------------------------------------------------------
+# apply
+
+
+def apply_inplace(graph: CapturedGraph, plan: InplacePlan) -> CapturedGraph:
+    """Rewrite ``graph.gm`` as ``plan`` says (stage 3) and return the new captured graph."""
+    if not plan.rewrites:
+        return graph
+    by_node = {r.node: r for r in plan.rewrites}
+    remapped: set[StorageWeakRef] = set()  # fake storages of the rewritten nodes' old outputs
+    # Step 3: retarget, in graph order, so every fake value is derived from already-updated inputs.
+    for node in graph.gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        rewrite = by_node.get(node.name)
+        if rewrite is not None:
+            for _, value in tensor_values(node):
+                remapped.add(StorageWeakRef(value.untyped_storage()))
+            target = inplace_overload(node.target)
+            if rewrite.swap:
+                node.args = (node.args[1], node.args[0], *node.args[2:])
+            node.target = target
+            node.meta["val"] = fake_value(target, node.args, node.kwargs)
+        elif any(StorageWeakRef(v.untyped_storage()) in remapped for _, v in tensor_values(node)):
+            # A view (or any alias) of a rewritten node's old output: its value must alias the new one.
+            node.meta["val"] = fake_value(node.target, node.args, node.kwargs)
+    graph.gm.recompile()
+    return dataclasses.replace(graph)
+
+
+# ----------------------------------------------------------------------------------------------
+# the pass
+
+
+@register_pass("inplace")
+def inplace(graph: CapturedGraph, ctx: PassContext) -> PassResult:
+    """Rewrite pointwise ops to write into dead inputs (see the module docstring)."""
+    options = InplaceOptions.from_mapping(ctx.options)
+    plan = plan_inplace(graph, ctx.am, options)
+    if not plan.rewrites:
+        return PassResult(graph, changed=False, notes=("no pointwise op has a dead, dense input",), plan=plan)
+    peak_before = ctx.am.get(PeakSimulation).peak
+    new = apply_inplace(graph, plan)
+    # Step 4: report what the simulated peak gained.
+    peak_after = AnalysisManager(new).get(PeakSimulation).peak
+    stats = PassStats(nodes_rewritten=len(plan.rewrites), bytes_saved=peak_before - peak_after)
+    return PassResult(new, changed=True, stats=stats, plan=plan)

@@ -1,0 +1,268 @@
+"""The schedule pass: a valid order with a lower simulated peak, never a higher one, same results."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import memplan.examples as examples
+from memplan.analysis.manager import AnalysisManager
+from memplan.analysis.peak import PeakSimulation
+from memplan.api import optimize
+from memplan.capture import Phase, capture
+from memplan.graphutil import is_random
+from memplan.measure import measure
+from memplan.passes.schedule import STRATEGIES, ScheduleProblem, plan_schedule
+from memplan.pipeline import PassManager, _mutated_args
+from memplan.steps import step_fn
+from memplan.testing import assert_equivalent, random_model, zoo
+
+EXAMPLES = [examples.make(name) for name in examples.WORKLOADS]
+ZOO = list(zoo())
+# capture leaves ``getitem`` of a None gradient without meta["val"]; pipeline.verify rejects every changed
+# graph holding one (a capture bug, reported).
+NO_VAL_IN_BACKWARD = {"convnet", "attention"}
+
+
+def with_graph_lifetimes(graph):
+    return dataclasses.replace(graph, lifetimes="graph")
+
+
+def peak(graph):
+    return AnalysisManager(with_graph_lifetimes(graph)).get(PeakSimulation).peak
+
+
+def order(graph):
+    return [n.name for n in graph.gm.graph.nodes if n.op == "call_function"]
+
+
+def run(graph, pipeline="schedule"):
+    return PassManager(pipeline).run(graph)
+
+
+# ----------------------------------------------------------------------------------------------
+# (a) outputs and gradients equal to the untouched model
+
+
+@pytest.mark.parametrize("workload", EXAMPLES, ids=[w.name for w in EXAMPLES])
+def test_examples_outputs_and_gradients_match_and_the_peak_never_rises(workload):
+    opt = optimize(workload.model, passes="inplace,schedule")
+    assert_equivalent(workload.model, opt, *workload.inputs)
+    plans = [opt.plan]
+    with torch.no_grad():
+        assert_equivalent(workload.model, opt, *workload.inputs, grad=False)
+    plans.append(opt.plan)
+    assert [plan.training for plan in plans] == [True, False]
+    for plan in plans:
+        for record in plan.records:
+            assert record.peak_after <= record.peak_before, (plan.training, record.name)
+
+
+@pytest.mark.parametrize("item", ZOO, ids=[z.name for z in ZOO])
+def test_zoo_outputs_and_gradients_match(item):
+    with torch.no_grad():
+        assert_equivalent(item.model, optimize(item.model, passes="schedule"), *item.inputs, grad=False)
+    if item.name in NO_VAL_IN_BACKWARD:
+        pytest.xfail("capture leaves getitem of a None gradient without meta['val']; verify rejects it (capture bug)")
+    assert_equivalent(item.model, optimize(item.model, passes="schedule"), *item.inputs)
+
+
+class NoisyNorm(nn.Module):
+    """Random ops and buffer updates (BatchNorm) that must keep their order."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.bn = nn.BatchNorm1d(16)
+
+    def forward(self, x):
+        a = torch.nn.functional.dropout(self.fc(x), 0.5)
+        b = torch.randn_like(x).exp().sum(0)
+        return self.bn(a).tanh().sum(1) + b.sum(), torch.rand_like(x) * x
+
+
+def test_random_ops_and_buffer_updates_behave_like_eager():
+    torch.manual_seed(0)
+    model = NoisyNorm()
+    reference = copy.deepcopy(model)
+    opt = optimize(model, passes="schedule")
+    x = torch.randn(8, 16)
+    assert_equivalent(reference, opt, x, rtol=0, atol=0)
+    torch.testing.assert_close(model.bn.running_mean, reference.bn.running_mean, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# (b) golden order on a small hand model
+
+
+def two_branches(x):
+    a = x.exp()
+    b = x.sin()  # eager holds a and b together
+    ra = a.sum(0)
+    rb = b.sum(0)
+    return ra * rb
+
+
+def test_golden_order_finishes_one_branch_before_the_next():
+    graph = capture(two_branches, torch.randn(64, 64), train=False)
+    assert order(graph) == ["exp", "sin", "sum_1", "sum_2", "mul"]
+    result = run(graph)
+    assert order(result.graph) == ["exp", "sum_1", "sin", "sum_2", "mul"]
+    assert result.records[0].plan.strategy == "lpmf"
+    assert "forward(self, args_0)" in result.graph.gm.code
+
+
+# ----------------------------------------------------------------------------------------------
+# (c) behaviour: strictly lower peaks where the order matters, untouched where it does not
+
+
+class Branches(nn.Module):
+    """Four branches that each blow up to (n, 4d) and reduce back: eager interleaves them."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.ups = nn.ModuleList(nn.Linear(d, 4 * d) for _ in range(4))
+
+    def forward(self, x):
+        wide = [up(x) for up in self.ups]
+        acts = [w.relu() for w in wide]
+        return sum(a.sum(1) for a in acts)
+
+
+def test_branching_model_has_a_strictly_lower_peak_simulated_and_measured():
+    torch.manual_seed(0)
+    model, x = Branches(), torch.randn(128, 64)
+    graph = capture(model, x, train=False)
+    before = peak(graph)
+    result = run(graph)
+    record = result.records[0]
+    assert record.changed and peak(result.graph) <= 0.5 * before
+    assert record.peak_after == peak(result.graph) == record.plan.peak
+    assert record.stats.bytes_saved == before - peak(result.graph)
+    with torch.no_grad():
+        empty = measure(step_fn(optimize(model, passes=""), (x,), train=False)).peak
+        scheduled = measure(step_fn(optimize(model, passes="schedule"), (x,), train=False)).peak
+    assert scheduled <= 0.5 * empty
+
+
+class Spread(nn.Module):
+    """Training: branches whose wide temporaries autograd does not save (mul by a scalar, add, sum)."""
+
+    def __init__(self, k=4):
+        super().__init__()
+        self.scales = nn.Parameter(torch.linspace(0.5, 2.0, k))
+
+    def forward(self, x):
+        wide = [x * scale for scale in self.scales]
+        shifted = [w + 1.0 for w in wide]
+        return sum(s.sum() for s in shifted)
+
+
+def test_branching_training_step_has_a_strictly_lower_peak_simulated_and_measured():
+    model, x = Spread(), torch.randn(256, 256)
+    graph = capture(model, x, train=True, seed="tangents")
+    before = peak(graph)
+    result = run(graph)
+    assert peak(result.graph) < before
+    steps = {}
+    for passes in ("", "schedule"):
+        steps[passes] = step_fn(optimize(model, passes=passes), (x,), train=True)
+        steps[passes]()
+    assert measure(steps["schedule"]).peak < measure(steps[""]).peak
+    assert_equivalent(model, optimize(model, passes="schedule"), x)
+
+
+def test_broadcast_matmul_training_peak_halves():
+    workload = examples.make("broadcast_matmul")
+    graph = capture(workload.model, *workload.inputs, train=True, seed="tangents")
+    before = peak(graph)
+    result = run(graph)
+    assert peak(result.graph) < 0.6 * before
+    steps = {}
+    for passes in ("", "schedule"):
+        steps[passes] = step_fn(optimize(workload.model, passes=passes), workload.inputs, train=True)
+        steps[passes]()
+    assert measure(steps["schedule"]).peak < 0.6 * measure(steps[""]).peak
+
+
+def test_a_straight_chain_is_left_untouched():
+    graph = capture(lambda x: x.exp().sin().cos(), torch.randn(32), train=False)
+    code = graph.gm.code
+    result = run(graph)
+    assert not result.records[0].changed and result.graph.gm.code == code
+    assert result.records[0].plan.strategy == "original"
+
+
+@pytest.mark.parametrize("item", ZOO, ids=[z.name for z in ZOO])
+def test_never_a_higher_peak_than_the_input_order(item):
+    for train in (False, True):
+        graph = with_graph_lifetimes(capture(item.model, *item.inputs, train=train, seed="tangents"))
+        plan = plan_schedule(graph, AnalysisManager(graph))
+        assert plan.peak <= plan.peak_before == peak(graph)
+
+
+# ----------------------------------------------------------------------------------------------
+# (d) invariant oracles on random graphs
+
+
+def check_order(original, scheduled):
+    """Dependencies, phases, random ops, writers: an oracle that does not use the pass's own edges."""
+    position = {name: i for i, name in enumerate(order(scheduled))}
+    old_position = {name: i for i, name in enumerate(order(original))}
+    nodes = [n for n in scheduled.gm.graph.nodes if n.op == "call_function"]
+    assert sorted(position) == sorted(old_position)
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            if arg.name in position:
+                assert position[arg.name] < position[node.name], f"{node.name} runs before its input {arg.name}"
+    phases = [scheduled.phases[n.name] for n in nodes]
+    assert phases == sorted(phases, key=lambda p: p is Phase.BACKWARD), "a node crossed the phase boundary"
+    ordered = [n.name for n in nodes if is_random(n) or _mutated_args(n)]
+    assert ordered == sorted(ordered, key=old_position.__getitem__), "random or mutating ops were reordered"
+    # every reader of a written storage stays on its side of the write
+    storage = {}
+    for node in nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            storage[node.name] = value.untyped_storage()._cdata
+    for writer in nodes:
+        for target in _mutated_args(writer):
+            written = target.meta["val"].untyped_storage()._cdata
+            for reader in nodes:
+                if reader is writer or not any(storage.get(a.name) == written for a in reader.all_input_nodes):
+                    continue
+                before_now = position[reader.name] < position[writer.name]
+                before_then = old_position[reader.name] < old_position[writer.name]
+                assert before_now == before_then, f"{reader.name} moved across the write by {writer.name}"
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), train=st.booleans(), steps=st.integers(6, 24))
+def test_random_programs_keep_every_constraint_and_never_rise(seed, train, steps):
+    model, inputs = random_model(seed, steps=steps, requires_grad_input=train)
+    graph = capture(model, *inputs, train=train, seed="tangents")
+    reference = capture(model, *inputs, train=train, seed="tangents")
+    before = peak(graph)
+    result = run(graph, "inplace,schedule")
+    check_order(reference, result.graph)
+    assert peak(result.graph) <= before
+    if train:
+        assert_equivalent(model, optimize(model, passes="inplace,schedule"), *inputs)
+    else:
+        with torch.no_grad():
+            assert_equivalent(model, optimize(model, passes="inplace,schedule"), *inputs, grad=False)
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 10_000))
+def test_every_strategy_gives_a_valid_order_and_the_simulation_matches_the_analysis(seed):
+    model, inputs = random_model(seed, steps=16, requires_grad_input=True)
+    graph = with_graph_lifetimes(capture(model, *inputs, train=True, seed="tangents"))
+    problem = ScheduleProblem(graph, AnalysisManager(graph))
+    assert problem.simulate(range(problem.n)) == peak(graph)
+    for name, strategy in STRATEGIES.items():
+        assert problem.is_valid(strategy(problem)), name
