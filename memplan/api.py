@@ -127,6 +127,7 @@ class OptimizedModule(nn.Module):
         policy: Policy,
         passes: Sequence[str],
         fallback: str | None,
+        options: Mapping[str, Any] | None = None,
     ):
         super().__init__()
         if fallback not in (None, "eager"):
@@ -138,6 +139,7 @@ class OptimizedModule(nn.Module):
         self.policy = policy
         self.passes = tuple(passes)
         self.fallback = fallback
+        self.options = dict(options or {})
         self._plans: dict[tuple, Plan | None] = {}
         self._last: Plan | None = None
         self.plans_built = 0
@@ -187,7 +189,7 @@ class OptimizedModule(nn.Module):
         graph = capture(original, *args, seed="tangents", **kwargs)
         _check_mutations(graph)
         eager = MemoryAnalysis.from_graph(graph)
-        result = PassManager(self.passes, self.policy).run(graph)
+        result = PassManager(self.passes, self.policy, options=self.options).run(graph)
         planned = MemoryAnalysis.from_graph(result.graph)
         emitted = emit(result.graph)
         tensors = AnalysisManager(result.graph).get(Tensors)
@@ -288,6 +290,7 @@ def optimize(
     max_overhead: float = 0.3,
     passes: str | Sequence[str] | None = None,
     fallback: str | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> OptimizedModule:
     """Wrap ``model`` so that each call runs a memory-planned version of it.
 
@@ -305,6 +308,8 @@ def optimize(
         Pipeline, e.g. ``"inplace,schedule"``; ``""`` for none; None for the default pipeline.
     fallback : {None, "eager"}
         Run models that cannot be captured eagerly, with a warning, instead of raising.
+    options : mapping, optional
+        Pass options, named ``"<pass>.<option>"`` (each pass documents its own).
 
     Examples
     --------
@@ -318,4 +323,6 @@ def optimize(
     from memplan.pipeline import parse_pipeline
 
     names = parse_pipeline(DEFAULT_PIPELINE if passes is None else passes)
-    return OptimizedModule(model, policy=Policy(budget=budget, max_overhead=max_overhead), passes=names, fallback=fallback)
+    return OptimizedModule(
+        model, policy=Policy(budget=budget, max_overhead=max_overhead), passes=names, fallback=fallback, options=options
+    )

@@ -599,6 +599,12 @@ def _build_captured(
     differentiable: Sequence[bool],
     recorded_sources: Mapping[str, SourceLine],
 ) -> CapturedGraph:
+    # A backward op may return None for a gradient nobody needs (e.g. convolution_backward's
+    # output_mask); make_fx records no value for the getitem reading it. Its value is None.
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and "val" not in node.meta:
+            node.meta["val"] = None
+
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     kinds = ["parameter"] * len(param_names) + ["buffer"] * len(buffer_names) + ["input"] * n_user
     paths = list(param_names) + list(buffer_names) + list(leaf_paths)
