@@ -1,0 +1,735 @@
+"""rewrite: algebraic rewrites that never materialise a broadcast.
+
+What it does
+------------
+Two rewrites of a forward region *and* its backward, each keeping outputs and gradients equal to
+eager's (up to summation order):
+
+(a) **Broadcast batched matmul.** ``x.view(B, H, 1, D) @ W`` with ``W`` of shape ``(H, D, D)`` reaches
+    aten as ``expand(W)`` + ``clone`` (``W`` copied ``B`` times) + ``bmm``, and its backward builds an
+    expanded gradient of the same size before summing it over ``B``
+    (pytorch/pytorch#154128, #18862, #76702). The rewrite folds the broadcast dimensions into the rows
+    of the other operand (permute ``x`` to ``(H, B, D)``) and runs one ``bmm`` per real batch entry
+    against ``W`` itself, so neither the forward nor the backward holds an expanded copy.
+(b) **Matmul followed by a max.** ``(a @ b).max(dim)`` over a row or column dimension of the product
+    keeps the argmax indices (in the narrowest integer type that holds them) for the backward instead
+    of the product; the backward gathers the selected rows or columns of the other operand
+    (``index``) and scatters into the gradient (``index_add_``), never materialising the product or
+    its gradient (the max backward of eager scatters into a zero tensor of the product's size).
+
+Stages
+------
+(1) Find patterns in the forward graph, from the graph's structure only:
+    (a) a ``bmm`` operand that is a view of a ``clone`` of an ``expand`` of a smaller tensor, broadcast
+        over at least one batch dimension (and not over the matrix dimensions);
+    (b) a ``max.dim``/``min.dim`` whose input is a chain of views of a ``bmm``/``mm`` used only there,
+        whose reduced dimension is a factor of the product's rows or columns, and whose other
+        dimensions factor the product's dimensions exactly (checked by walking each dimension back
+        through the view chain with the chunk pass's rules).
+(2) Take the pattern's nodes as a region, find its backward by autograd sequence numbers
+    (:func:`~memplan.passes.chunk.region_backward`) and match the gradients it reads to the region's
+    outputs and the gradients it produces to the region's inputs (by shape, then sequence number).
+(3) Trace the replacement forward together with its backward by ``make_fx`` over the region inputs'
+    fake values (the graph's own fake mode), through autograd, with sequence numbers recorded.
+(4) Inline the traced forward (phase forward) and backward (phase backward) into the joint graph,
+    point the region's users at the new values, erase the old nodes and re-sort stably.
+
+Preconditions
+-------------
+Training or inference graphs with static shapes; the pattern's intermediate nodes (expand, clone,
+views, the product) have no users outside the pattern.
+
+Soundness conditions (each with a counterexample the detector refuses)
+--------------------------------------------------------------------
+* (a) The copy is only read by the ``bmm``. Counterexample: ``Wb = W.expand(B, H, D, D).contiguous();
+  y = x @ Wb; Wb.add_(1)`` also needs the copy itself.
+* (a) Broadcast only over batch dimensions. Counterexample: ``W`` of shape ``(H, 1, D)`` expanded to
+  ``(B, H, D, D)`` repeats a row of the matrix; folding batch dimensions does not remove that copy.
+* (b) The reduced dimension is a row or column factor of the product. Counterexample: the max over
+  the ``bmm`` batch dimension selects whole matrices, not rows of one operand.
+* (b) Ties: ``max`` returns one index among equal values, and its eager backward sends the gradient
+  to that index too, so gradients agree; ``amax`` (which splits the gradient among ties) is not
+  rewritten.
+* (b) Every other dimension of the max's input maps to one factor of the product (a permutation and
+  reshape of it). Counterexample: a ``view`` that splits a row factor across two dimensions in a
+  different order than the product's layout (an interleaving ``as_strided``) has no such map.
+
+What it leaves to other passes
+------------------------------
+Chunking the rewritten regions along an independent dimension (``chunk``: with (b), the product is
+still built in the forward, but a chunk at a time, and the saved indices are small), saving versus
+recomputing (``remat``), in-place reuse (``inplace``), ordering (``schedule``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any, Union
+
+import torch
+import torch.fx
+import torch.fx.traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+
+from memplan.analysis.manager import AnalysisManager
+from memplan.analysis.peak import PeakSimulation
+from memplan.capture import CapturedGraph, Phase, _tag_backward_with_seq_nr
+from memplan.graphutil import packet_name
+from memplan.passes.chunk import (
+    Split,
+    _inverse,
+    copy_graph,
+    fake_mode_of,
+    refresh_aliases,
+    region_backward,
+    stable_toposort,
+)
+from memplan.pipeline import PassContext, PassResult, PassStats, register_pass
+
+__all__ = ["BroadcastMatmul", "MatmulMax", "RewritePlan", "plan_rewrite", "apply_rewrite", "rewrite"]
+
+_VIEWS = {"view", "_unsafe_view", "reshape"}
+_CHAIN = _VIEWS | {"permute", "transpose", "t", "unsqueeze", "squeeze", "alias", "detach"}
+
+
+def _shape(node: Any) -> tuple[int, ...]:
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return tuple(int(s) for s in value.shape) if isinstance(value, torch.Tensor) else ()
+
+
+def _dtype(node: torch.fx.Node) -> torch.dtype | None:
+    value = node.meta.get("val")
+    return value.dtype if isinstance(value, torch.Tensor) else None
+
+
+def _forward_users(graph: CapturedGraph, node: torch.fx.Node) -> int:
+    """How many forward nodes (or graph outputs) read ``node``; backward readers belong to its backward."""
+    return sum(1 for u in node.users if u.op == "output" or graph.phases.get(u.name) is Phase.FORWARD)
+
+
+def _forward_nodes(graph: CapturedGraph) -> list[torch.fx.Node]:
+    return [n for n in graph.gm.graph.nodes if n.op == "call_function" and graph.phases.get(n.name) is Phase.FORWARD]
+
+
+# ----------------------------------------------------------------------------------------------
+# patterns (stage 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class BroadcastMatmul:
+    """``bmm`` with operand ``side`` a view of a copy of ``source`` broadcast to ``shape``.
+
+    ``broadcast`` are the batch dimensions of ``shape`` along which ``source`` is repeated.
+    """
+
+    bmm: str
+    side: int
+    nodes: tuple[str, ...]  # expand, clone and views between them and the bmm, then the bmm
+    source: str
+    other: str
+    shape: tuple[int, ...]
+    broadcast: tuple[int, ...]
+
+    def __str__(self) -> str:
+        copies = math.prod(self.shape[i] for i in self.broadcast)
+        return f"broadcast matmul {self.bmm}: {self.source} no longer copied {copies}x"
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulMax:
+    """``max``/``min`` over a factor of the rows (``rows``) or columns of a ``bmm``/``mm`` product.
+
+    ``ydims`` gives, for each dimension of the reduced result, the product dimension it is a factor
+    of in the canonical problem (0 batch, 1 rows, 2 columns, with rows and columns swapped when the
+    rows are reduced; -1 for size-1 dimensions), the factor's stride and its size; ``step`` is the
+    stride of the reduced factor inside the reduced dimension.
+    """
+
+    matmul: str
+    chain: tuple[str, ...]
+    reduce: str
+    items: tuple[str, ...]
+    values: str
+    indices: str | None
+    left: str
+    right: str
+    rows: bool
+    batched: bool
+    kind: str
+    dim: int
+    keepdim: bool
+    ydims: tuple[tuple[int, int, int], ...]
+    step: int
+    index_dtype: torch.dtype
+
+    def __str__(self) -> str:
+        what = "rows" if self.rows else "columns"
+        return f"matmul {self.kind} {self.reduce}: keeps {str(self.index_dtype).replace('torch.', '')} indices over {what} of {self.matmul}"
+
+
+Rewrite = Union[BroadcastMatmul, MatmulMax]
+
+
+@dataclasses.dataclass(frozen=True)
+class RewritePlan:
+    """The rewrites a run of the pass applies, in order."""
+
+    rewrites: tuple[Rewrite, ...] = ()
+
+    def __str__(self) -> str:
+        return "\n".join(str(r) for r in self.rewrites) if self.rewrites else "rewrite: nothing to do"
+
+
+def _find_broadcast_matmuls(graph: CapturedGraph) -> list[BroadcastMatmul]:
+    found = []
+    for node in _forward_nodes(graph):
+        if packet_name(node) != "bmm":
+            continue
+        for side in (1, 0):
+            views, value = [], node.args[side]
+            while packet_name(value) in _VIEWS and _forward_users(graph, value) == 1:
+                views.append(value)
+                value = value.args[0]
+            copy = value
+            if packet_name(copy) != "clone" or _forward_users(graph, copy) != 1:
+                continue
+            expand = copy.args[0]
+            if packet_name(expand) != "expand" or _forward_users(graph, expand) != 1:
+                continue
+            shape = _shape(expand)
+            if len(shape) < 3 or _shape(node.args[side]) != (math.prod(shape[:-2]), shape[-2], shape[-1]):
+                continue
+            source = expand.args[0]
+            aligned = (1,) * (len(shape) - len(_shape(source))) + _shape(source)
+            if aligned[-2:] != shape[-2:]:
+                continue
+            broadcast = tuple(i for i in range(len(shape) - 2) if aligned[i] == 1 and shape[i] > 1)
+            if not broadcast:
+                continue
+            nodes = (expand.name, copy.name, *(v.name for v in reversed(views)), node.name)
+            found.append(BroadcastMatmul(node.name, side, nodes, source.name, node.args[1 - side].name, shape, broadcast))
+            break
+    return found
+
+
+def _factor_back(node: torch.fx.Node, dim: int, inner: int, units: int) -> tuple[int, int] | None:
+    """Where a factor (stride ``inner``, ``units`` values) of ``node``'s dimension ``dim`` lives in its
+    input: ``(input dim, stride there)``, for the view-like ops of a chain."""
+    name = packet_name(node)
+    out_shape, in_shape = _shape(node), _shape(node.args[0])
+    if name in _VIEWS:
+        flat = inner * math.prod(out_shape[dim + 1 :])
+        for k, size in enumerate(in_shape):
+            after = math.prod(in_shape[k + 1 :])
+            if flat % after == 0 and size % ((flat // after) * units) == 0 and size > 1:
+                return k, flat // after
+        return None
+    rank = len(in_shape)
+    if name == "permute":
+        return [p % rank for p in node.args[1]][dim], inner
+    if name in ("transpose", "t"):
+        a, b = (0, 1) if name == "t" else (node.args[1] % rank, node.args[2] % rank)
+        return (b if dim == a else a if dim == b else dim), inner
+    if name == "unsqueeze":
+        k = node.args[1] % len(out_shape)
+        return (None if dim == k else (dim - (1 if dim > k else 0), inner))
+    if name == "squeeze":
+        kept = [i for i in range(rank) if not (in_shape[i] == 1 and _squeezes(node, i, rank))]
+        return kept[dim], inner
+    if name in ("alias", "detach"):
+        return dim, inner
+    return None
+
+
+def _squeezes(node: torch.fx.Node, i: int, rank: int) -> bool:
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if dims is None:
+        return True
+    dims = dims if isinstance(dims, (list, tuple)) else [dims]
+    return i in [d % rank for d in dims]
+
+
+def _walk_to(chain_end: torch.fx.Node, product: torch.fx.Node, state: Split) -> Split | None:
+    """Follow dimension ``state.dim`` of ``chain_end`` back through its view chain to ``product``:
+    the product dimension it is a factor of and the factor's stride there."""
+    units = _shape(chain_end)[state.dim]
+    node, dim, inner = chain_end, state.dim, state.inner
+    while node is not product:
+        back = _factor_back(node, dim, inner, units)
+        if back is None:
+            return None
+        (dim, inner), node = back, node.args[0]
+    return Split(dim, inner)
+
+
+def _index_dtype(size: int) -> torch.dtype:
+    if size <= 256:
+        return torch.uint8
+    if size <= 2**15:
+        return torch.int16
+    if size <= 2**31:
+        return torch.int32
+    return torch.int64
+
+
+def _factors_ok(ydims: Sequence[tuple[int, int, int]], extra: tuple[int, int, int] | None, sizes: Sequence[int]) -> bool:
+    """Each canonical product dimension is exactly the row-major product of its factors."""
+    for e, size in enumerate(sizes):
+        factors = sorted([(inner, n) for d, inner, n in ydims if d == e] + ([extra[1:]] if extra and extra[0] == e else []), reverse=True)
+        expected = 1
+        for inner, n in reversed(factors):
+            if inner != expected:
+                return False
+            expected *= n
+        if expected != size:
+            return False
+    return True
+
+
+def _find_matmul_max(graph: CapturedGraph) -> list[MatmulMax]:
+    found = []
+    for node in _forward_nodes(graph):
+        kind = packet_name(node)
+        if kind not in ("max", "min") or node.target._overloadname != "dim":
+            continue
+        x = node.args[0]
+        rank = len(_shape(x))
+        dim = node.args[1] + rank if node.args[1] < 0 else node.args[1]
+        keepdim = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
+        chain, value = [], x
+        while packet_name(value) in _CHAIN and _forward_users(graph, value) == 1:
+            chain.append(value)
+            value = value.args[0]
+        product = value
+        if packet_name(product) not in ("bmm", "mm") or _forward_users(graph, product) != 1:
+            continue
+        items = [u for u in node.users if u.target is operator.getitem]
+        if len(items) != len(node.users) or not any(u.args[1] == 0 and _forward_users(graph, u) for u in items):
+            continue
+        batched = packet_name(product) == "bmm"
+        reduced = _walk_to(x, product, Split(dim))
+        if reduced is None:
+            continue
+        rows_dim, cols_dim = (1, 2) if batched else (0, 1)
+        if reduced.dim not in (rows_dim, cols_dim):
+            continue
+        rows = reduced.dim == rows_dim
+
+        def canonical(e: int) -> int:
+            e = e if batched else e + 1
+            return {0: 0, 1: 2, 2: 1}[e] if rows else e
+
+        ydims = []
+        for k, size in enumerate(_shape(x)):
+            if k == dim:
+                continue
+            if size == 1:
+                ydims.append((-1, 1, 1))
+                continue
+            walked = _walk_to(x, product, Split(k))
+            if walked is None:
+                break
+            ydims.append((canonical(walked.dim), walked.inner, size))
+        else:
+            psize = _shape(product) if batched else (1, *_shape(product))
+            sizes = (psize[0], psize[2], psize[1]) if rows else psize
+            extra = (2, reduced.inner, _shape(x)[dim])
+            if not _factors_ok(ydims, extra, sizes):
+                continue
+            found.append(
+                MatmulMax(
+                    matmul=product.name,
+                    chain=tuple(c.name for c in reversed(chain)),
+                    reduce=node.name,
+                    items=tuple(u.name for u in items),
+                    values=next(u.name for u in items if u.args[1] == 0),
+                    indices=next((u.name for u in items if u.args[1] == 1), None),
+                    left=product.args[0].name,
+                    right=product.args[1].name,
+                    rows=rows,
+                    batched=batched,
+                    kind=kind,
+                    dim=dim,
+                    keepdim=keepdim,
+                    ydims=tuple(ydims),
+                    step=reduced.inner,
+                    index_dtype=_index_dtype(_shape(x)[dim]),
+                )
+            )
+    return found
+
+
+# ----------------------------------------------------------------------------------------------
+# replacement functions (traced by make_fx in stage 3)
+
+
+def _broadcast_matmul_fn(pattern: BroadcastMatmul, other_shape: tuple[int, ...]) -> Callable[..., tuple[torch.Tensor]]:
+    shape, broadcast, side = pattern.shape, pattern.broadcast, pattern.side
+    nb = len(shape) - 2
+    real = [i for i in range(nb) if i not in broadcast]
+    n_real, n_broad = math.prod(shape[i] for i in real), math.prod(shape[i] for i in broadcast)
+    batch = list(shape[:nb])
+    total = math.prod(batch)
+
+    def right_broadcast(other: torch.Tensor, small: torch.Tensor) -> tuple[torch.Tensor]:
+        m, k, n = other_shape[1], shape[-2], shape[-1]
+        weight = small.reshape(n_real, k, n)
+        perm = real + list(broadcast) + [nb, nb + 1]
+        rows = other.reshape(*batch, m, k).permute(perm).reshape(n_real, n_broad * m, k)
+        out = torch.bmm(rows, weight).reshape(*[shape[i] for i in real], *[shape[i] for i in broadcast], m, n)
+        return (out.permute(_argsort(perm)).reshape(total, m, n),)
+
+    def left_broadcast(small: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor]:
+        m, k, n = shape[-2], shape[-1], other_shape[2]
+        weight = small.reshape(n_real, m, k)
+        perm = real + [nb] + list(broadcast) + [nb + 1]  # (real..., K, broadcast..., N)
+        cols = other.reshape(*batch, k, n).permute(perm).reshape(n_real, k, n_broad * n)
+        out = torch.bmm(weight, cols).reshape(*[shape[i] for i in real], m, *[shape[i] for i in broadcast], n)
+        order = real + [nb] + list(broadcast) + [nb + 1]  # which logical dim each axis of ``out`` is
+        return (out.permute(_argsort(order)).reshape(total, m, n),)
+
+    if side == 1:
+        return lambda other, small: right_broadcast(other, small)
+    return lambda other, small: left_broadcast(small, other)
+
+
+def _argsort(order: Sequence[int]) -> list[int]:
+    return sorted(range(len(order)), key=lambda i: order[i])
+
+
+class _MatmulMaxFunction(torch.autograd.Function):
+    """Forward: the product, the view chain and the max, keeping narrow indices. Backward: gathers."""
+
+    @staticmethod
+    def forward(ctx: Any, left: torch.Tensor, right: torch.Tensor, spec: "_MaxSpec") -> tuple[torch.Tensor, torch.Tensor]:
+        product = torch.bmm(left, right) if spec.pattern.batched else torch.mm(left, right)
+        x = spec.replay(product)
+        reduce = torch.max if spec.pattern.kind == "max" else torch.min
+        values, indices = reduce(x, spec.pattern.dim, spec.pattern.keepdim)
+        ctx.save_for_backward(left, right, indices.to(spec.pattern.index_dtype))
+        ctx.spec = spec
+        ctx.mark_non_differentiable(indices)
+        return values, indices
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _grad_indices: torch.Tensor) -> tuple[Any, ...]:
+        left, right, small = ctx.saved_tensors
+        pattern: MatmulMax = ctx.spec.pattern
+        index = small.long()
+        if pattern.keepdim:
+            grad, index = grad.squeeze(pattern.dim), index.squeeze(pattern.dim)
+        a, b = (right.transpose(-1, -2), left.transpose(-1, -2)) if pattern.rows else (left, right)
+        if not pattern.batched:
+            a, b = a.unsqueeze(0), b.unsqueeze(0)
+        grad_a, grad_b = _gather_grads(a, b, grad, index, pattern)
+        if not pattern.batched:
+            grad_a, grad_b = grad_a.squeeze(0), grad_b.squeeze(0)
+        if pattern.rows:
+            grad_a, grad_b = grad_b.transpose(-1, -2), grad_a.transpose(-1, -2)
+        return grad_a, grad_b, None
+
+
+def _gather_grads(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, index: torch.Tensor, pattern: MatmulMax):
+    """Gradients of ``y = max over a factor of the columns of a @ b`` from the kept indices.
+
+    ``a`` is ``(Bt, R, K)``, ``b`` is ``(Bt, K, C)``; ``grad`` and ``index`` have the shape of ``y``.
+    """
+    batch, rows_n, k = a.shape
+    cols_n = b.shape[2]
+    ydims = pattern.ydims
+    rank = grad.dim()
+
+    def coordinate(e: int) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.long, device=grad.device)
+        for y, (d, inner, n) in enumerate(ydims):
+            if d == e:
+                shape = [1] * rank
+                shape[y] = n
+                total = total + torch.arange(n, device=grad.device).view(shape) * inner
+        return total
+
+    flat = coordinate(0) * cols_n + coordinate(2) + index * pattern.step  # column of b, flattened over batch
+    summed = [y for y, (d, _, _) in enumerate(ydims) if d not in (0, 1)]
+    kept = [y for y in range(rank) if y not in summed]
+    by_product = sorted(kept, key=lambda y: (ydims[y][0], -ydims[y][1]))
+    # grad of a: the selected columns of b, weighted, summed over the column factors
+    b_rows = b.transpose(1, 2).reshape(batch * cols_n, k)
+    weighted = grad.unsqueeze(-1) * b_rows[flat]
+    grad_a = weighted.sum(summed) if summed else weighted
+    grad_a = grad_a.permute(*[kept.index(y) for y in by_product], len(kept)).reshape(batch, rows_n, k)
+    # grad of b: rows of a, weighted, added into the selected columns
+    a_fac = a.reshape(*[ydims[y][2] for y in by_product], k).permute(*[by_product.index(y) for y in kept], len(kept))
+    for y in summed:
+        a_fac = a_fac.unsqueeze(y)
+    source = grad.unsqueeze(-1) * a_fac
+    grad_bt = torch.zeros(batch * cols_n, k, dtype=source.dtype, device=source.device)
+    grad_bt.index_add_(0, flat.reshape(-1), source.reshape(-1, k))
+    return grad_a, grad_bt.view(batch, cols_n, k).transpose(1, 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class _MaxSpec:
+    pattern: MatmulMax
+    steps: tuple[tuple[Callable[..., Any], tuple, dict], ...]  # the view chain, replayed on the product
+
+    def replay(self, value: torch.Tensor) -> torch.Tensor:
+        for target, args, kwargs in self.steps:
+            value = target(value, *args, **kwargs)
+        return value
+
+
+def _matmul_max_fn(pattern: MatmulMax, graph: CapturedGraph) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    steps = tuple((n.target, tuple(n.args[1:]), dict(n.kwargs)) for n in (graph.node(c) for c in pattern.chain))
+    spec = _MaxSpec(pattern, steps)
+    return lambda left, right: _MatmulMaxFunction.apply(left, right, spec)
+
+
+# ----------------------------------------------------------------------------------------------
+# region replacement (stages 2-4)
+
+
+def _match_gradients(graph, region, inputs, outputs, backward):
+    """Map the backward's incoming gradients to region outputs, its results to region inputs."""
+    seq = graph.seq_nr
+    members = set(backward.nodes)
+    region_set = set(region)
+    incoming: dict[int, list[torch.fx.Node]] = {}
+    for name in backward.grad_inputs:
+        g = graph.node(name)
+        options = [i for i, o in enumerate(outputs) if o is not None and _shape(o) == _shape(g) and _dtype(o) == _dtype(g)]
+        if len(options) > 1:
+            readers = {seq.get(u.name) for u in g.users if u.name in members}
+            options = [i for i in options if seq.get(outputs[i].name) in readers]
+        if len(options) != 1:
+            return None
+        incoming.setdefault(options[0], []).append(g)
+    produced: dict[int, torch.fx.Node] = {}
+    for name in backward.grad_outputs:
+        d = graph.node(name)
+        options = [i for i, x in enumerate(inputs) if _shape(x) == _shape(d) and _dtype(x) == _dtype(d)]
+        if len(options) > 1:
+            seqs = {seq.get(d.name)} | {seq.get(a.name) for a in d.all_input_nodes if a.name in members}
+            options = [i for i in options if any(seq.get(u.name) in seqs for u in inputs[i].users if u.name in region_set)]
+        if len(options) != 1 or options[0] in produced:
+            return None
+        produced[options[0]] = d
+    return incoming, produced
+
+
+def _trace(fn, input_values, needs_grad, grad_values):
+    """``make_fx`` of ``fn``'s forward and, through autograd, its backward; returns the graph and the
+    name of its last forward node."""
+    box: dict[str, Any] = {}
+    n_in = len(input_values)
+
+    def joint(*flat):
+        leaves = [x.detach().requires_grad_(True) if need else x for x, need in zip(flat[:n_in], needs_grad)]
+        outs = fn(*leaves)
+        box["boundary"] = list(get_proxy_mode().tracer.graph.nodes)[-1].name
+        pairs = [(o, g) for o, g in zip(outs, grad_values) if g is not None]
+        wrt = [leaf for leaf, need in zip(leaves, needs_grad) if need]
+        grads: tuple = ()
+        if pairs and wrt:
+            _tag_backward_with_seq_nr([o.grad_fn for o, _ in pairs if o.grad_fn is not None])
+            given = iter(flat[n_in:])
+            grads = torch.autograd.grad([o for o, _ in pairs], wrt, [next(given) for _ in pairs], allow_unused=True)
+        return (*outs, *grads)
+
+    grads = [g for g in grad_values if g is not None]
+    with torch.enable_grad(), fx_traceback.preserve_node_meta():
+        gm = make_fx(joint, tracing_mode="fake")(*input_values, *grads)
+    gm.graph.eliminate_dead_code()
+    return gm, box["boundary"]
+
+
+def _replace_region(graph: CapturedGraph, region_names: Sequence[str], input_names: Sequence[str],
+                    output_names: Sequence[str], fn, anchor_name: str, state: dict) -> bool:
+    """Replace ``region`` (forward) and its backward with ``fn`` traced through autograd (in place on
+    ``graph.gm``; ``state`` holds the phases, sources and sequence numbers being edited).
+
+    ``fn(*inputs)`` returns one value per name in ``output_names``; every region node read outside
+    the region and its backward must be one of them."""
+    gm = graph.gm
+    by_name = {n.name: n for n in gm.graph.nodes}
+    names = set(region_names)
+    for node in gm.graph.nodes:  # autograd's detach of a region value (made to save it) goes with it
+        if node.target is torch.ops.aten.detach.default and node.args[0].name in names:
+            if graph.phases.get(node.name) is Phase.FORWARD:
+                names.add(node.name)
+    region_names = [n.name for n in gm.graph.nodes if n.name in names]
+    region = [by_name[n] for n in region_names]
+    region_set = set(region)
+    inputs = [by_name[n] for n in input_names]
+    backward = region_backward(graph, region_names)
+    if backward is None:
+        return False
+    members = {by_name[n] for n in backward.nodes}
+    outputs = [by_name[n] if n is not None else None for n in output_names]
+    if any(n not in outputs and any(u not in region_set and u not in members for u in n.users) for n in region):
+        return False
+    matched = _match_gradients(graph, region_names, inputs, outputs, backward)
+    if matched is None:
+        return False
+    incoming, produced = matched
+    needs_grad = [i in produced for i in range(len(inputs))]
+    grad_values = [incoming[i][0].meta["val"] if i in incoming else None for i in range(len(outputs))]
+    mode = fake_mode_of(gm.graph)
+    traced, boundary = _trace(fn, [x.meta["val"] for x in inputs], needs_grad, grad_values)
+    if any(getattr(v, "fake_mode", mode) is not mode for n in traced.graph.nodes for v in [n.meta.get("val")]):
+        return False
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    priority = dict((n, float(i)) for n, i in order.items())
+    first_fwd = min(order[n] for n in region)
+    first_bwd = min((order[n] for n in members), default=len(order))
+    anchor = by_name[anchor_name]
+    base_seq = max([s for s in graph.seq_nr.values() if s < 2**62] + [0]) + 1
+    traced_seqs = sorted({n.meta["seq_nr"] for n in traced.graph.nodes if isinstance(n.meta.get("seq_nr"), int)})
+    remap = {s: base_seq + i for i, s in enumerate(traced_seqs)}
+
+    output_node = next(n for n in gm.graph.nodes if n.op == "output")
+    env: dict[torch.fx.Node, Any] = {}
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    for p, x in zip(placeholders, inputs):
+        env[p] = x
+    gradient_placeholders = iter(placeholders[len(inputs):])
+    created: list[torch.fx.Node] = []
+
+    def add(target, args, kwargs, phase: Phase, seq: int | None, value, prio: float) -> torch.fx.Node:
+        with gm.graph.inserting_before(output_node):
+            node = gm.graph.call_function(target, args, kwargs)
+        node.meta["val"] = value
+        state["phases"][node.name] = phase
+        state["seq_nr"][node.name] = seq if seq is not None else graph.seq_nr.get(anchor_name, base_seq)
+        if anchor_name in graph.sources:
+            state["sources"][node.name] = graph.sources[anchor_name]
+        priority[node] = prio
+        created.append(node)
+        return node
+
+    for i, g in enumerate(grad_values):
+        if g is None:
+            continue
+        total = incoming[i][0]
+        for extra in incoming[i][1:]:
+            total = add(torch.ops.aten.add.Tensor, (total, extra), {}, Phase.BACKWARD, None, total.meta["val"], first_bwd - 0.6)
+        env[next(gradient_placeholders)] = total
+    phase = Phase.FORWARD
+    for k, node in enumerate(n for n in traced.graph.nodes if n.op == "call_function"):
+        if node.target is torch.ops.aten.detach.default and node.args[0] in env and node.args[0].op == "placeholder":
+            env[node] = env[node.args[0]]  # a leaf made for tracing, not part of the computation
+        else:
+            args = torch.fx.node.map_arg(node.args, env.__getitem__)
+            kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
+            seq = remap.get(node.meta.get("seq_nr"))
+            prio = (first_fwd if phase is Phase.FORWARD else first_bwd) - 0.5 + k * 1e-6
+            env[node] = add(node.target, args, kwargs, phase, seq, node.meta["val"], prio)
+        if node.name == boundary:
+            phase = Phase.BACKWARD
+    results = [env[v] if isinstance(v, torch.fx.Node) else v for v in next(n for n in traced.graph.nodes if n.op == "output").args[0]]
+    new_outputs, new_grads = results[: len(outputs)], results[len(outputs) :]
+    if any(g is None for g in new_grads):
+        for node in reversed(created):
+            gm.graph.erase_node(node)
+        return False
+    for old, new in zip(outputs, new_outputs):
+        if old is None:
+            continue
+        old.replace_all_uses_with(new, delete_user_cb=lambda u: u not in region_set and u not in members)
+    grads_for = iter(new_grads)
+    for i in range(len(inputs)):
+        if i in produced:
+            produced[i].replace_all_uses_with(next(grads_for), delete_user_cb=lambda u: u not in members)
+    for node in [n for n in gm.graph.nodes if n in members][::-1]:
+        gm.graph.erase_node(node)
+    for node in region[::-1]:
+        if not node.users:
+            gm.graph.erase_node(node)
+    stable_toposort(gm.graph, priority)
+    # Views of the region's inputs must alias the inputs' storages (the traced backward unpacks saved
+    # tensors into new fake tensors); views of the new values must alias those.
+    refresh_aliases(gm.graph, [*inputs, *created, *(g for gs in incoming.values() for g in gs)], mode)
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+# plan and apply
+
+
+def plan_rewrite(graph: CapturedGraph) -> RewritePlan:
+    """Stage 1: the patterns found in ``graph`` (pure).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from memplan.capture import capture
+    >>> w = torch.randn(8, 16, 16)
+    >>> g = capture(lambda x: x.view(32, 8, 1, 16) @ w, torch.randn(32, 128, requires_grad=True))
+    >>> [type(r).__name__ for r in plan_rewrite(g).rewrites]
+    ['BroadcastMatmul']
+    """
+    found: list[Rewrite] = []
+    taken: set[str] = set()
+    for pattern in [*_find_broadcast_matmuls(graph), *_find_matmul_max(graph)]:
+        nodes = set(pattern.nodes) if isinstance(pattern, BroadcastMatmul) else {pattern.matmul, *pattern.chain, pattern.reduce}
+        if nodes & taken:
+            continue
+        taken |= nodes
+        found.append(pattern)
+    return RewritePlan(tuple(found))
+
+
+def apply_rewrite(graph: CapturedGraph, plan: RewritePlan) -> tuple[CapturedGraph, tuple[Rewrite, ...]]:
+    """Stages 2-4: a new graph with the plan's rewrites applied, and the rewrites that applied."""
+    if not plan.rewrites:
+        return graph, ()
+    graph = copy_graph(graph)
+    state = {"phases": dict(graph.phases), "sources": dict(graph.sources), "seq_nr": dict(graph.seq_nr)}
+    done = []
+    for pattern in plan.rewrites:
+        current = dataclasses.replace(graph, phases=dict(state["phases"]), seq_nr=dict(state["seq_nr"]), sources=dict(state["sources"]))
+        if isinstance(pattern, BroadcastMatmul):
+            region = list(pattern.nodes)
+            inputs, outputs = [pattern.other, pattern.source], [pattern.bmm]
+            fn = _broadcast_matmul_fn(pattern, _shape(graph.node(pattern.other)))
+            anchor = pattern.bmm
+        else:
+            region = [pattern.matmul, *pattern.chain, pattern.reduce, *pattern.items]
+            inputs = [pattern.left, pattern.right]
+            outputs = [pattern.values, pattern.indices]
+            fn = _matmul_max_fn(pattern, graph)
+            anchor = pattern.reduce
+        if _replace_region(current, region, inputs, outputs, fn, anchor, state):
+            done.append(pattern)
+    graph.gm.recompile()
+    live = {n.name for n in graph.gm.graph.nodes}
+    graph = dataclasses.replace(
+        graph,
+        phases={k: v for k, v in state["phases"].items() if k in live},
+        sources={k: v for k, v in state["sources"].items() if k in live},
+        seq_nr={k: v for k, v in state["seq_nr"].items() if k in live},
+    )
+    return graph, tuple(done)
+
+
+@register_pass("rewrite")
+def rewrite(graph: CapturedGraph, ctx: PassContext) -> PassResult:
+    """Rewrite broadcast matmuls and matmul+max regions (see the module docstring)."""
+    plan = plan_rewrite(graph)
+    if not plan.rewrites:
+        return PassResult(graph, changed=False, plan=plan)
+    new, done = apply_rewrite(graph, plan)
+    if not done:
+        return PassResult(graph, changed=False, plan=RewritePlan())
+    before = ctx.am.get(PeakSimulation).peak
+    after = AnalysisManager(new).get(PeakSimulation).peak
+    applied = RewritePlan(done)
+    return PassResult(
+        new,
+        changed=True,
+        stats=PassStats(nodes_rewritten=len(done), bytes_saved=max(0, before - after)),
+        notes=tuple(str(r) for r in done),
+        plan=applied,
+    )

@@ -1,0 +1,309 @@
+"""The chunk pass: same outputs and gradients, a golden loop body, a lower peak, random-graph invariants."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import memplan
+import memplan.examples as examples
+from memplan.analysis.manager import AnalysisManager
+from memplan.analysis.peak import PeakSimulation
+from memplan.capture import capture
+from memplan.graphutil import is_random, packet_name
+from memplan.measure import measure
+from memplan.passes.chunk import (
+    REP,
+    ChunkLoop,
+    Partial,
+    Split,
+    apply_chunk,
+    chunk_rule,
+    map_view,
+    plan_chunk,
+    region_backward,
+)
+from memplan.policy import Policy
+from memplan.steps import step_fn
+from memplan.testing import assert_equivalent, random_model, zoo
+
+# Chunked sums (over chunks, then in chunks) add in another order than eager: float32 tolerance.
+TOL = dict(rtol=1e-4, atol=1e-5)
+FORCE = dict(max_overhead=10.0)  # accept any extra compute, so the pass chunks whatever it can
+
+
+# ----------------------------------------------------------------------------------------------
+# hand models the pass has never seen
+
+
+class PairwiseL1Min(nn.Module):
+    """Nearest neighbour by a weighted L1 distance: a (40, 30, 16) broadcast reduced by sum and amin."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.rand(16) + 0.5)
+
+    def forward(self, x, y):
+        return ((x[:, None, :] - y[None, :, :]).abs() * self.w).sum(-1).amin(-1)
+
+
+class SoftmaxWeightedSum(nn.Module):
+    """Attention-like: softmax over keys of projected scores, then a weighted sum of values."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, q, k, v):
+        return torch.softmax(self.proj(q) @ k.t() / 32**0.5, dim=-1) @ v
+
+
+class BroadcastLogSumExp(nn.Module):
+    """logsumexp over the middle of a (40, 50, 24) broadcast."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(24))
+
+    def forward(self, x, y):
+        return torch.logsumexp(x[:, None, :] + y[None, :, :] + self.bias, dim=1)
+
+
+class LogSumExpOverBatch(nn.Module):
+    """logsumexp over the first dimension: chunks combine by a running log-sum-exp."""
+
+    def forward(self, x, y):
+        return torch.logsumexp(x[:, None, :] * y[None, :, :], dim=0)
+
+
+class MeanOverBatch(nn.Module):
+    """A batch mean of a wide activation: chunks combine by a length-weighted sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 256)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)).pow(2).mean(0) * 3
+
+
+class Generator(nn.Module):
+    """A vocabulary projection, log-softmax and NLL over (time, batch): the loss combines chunks by
+    their total weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 500)
+
+    def forward(self, h, t):
+        log_probs = F.log_softmax(self.lin(h), dim=-1)
+        return F.nll_loss(log_probs.reshape(-1, 500), t.reshape(-1))
+
+
+class ShiftedGenerator(nn.Module):
+    """The generator on targets shifted by one step, as a seq2seq model feeds it."""
+
+    def __init__(self):
+        super().__init__()
+        self.generator = Generator()
+
+    def forward(self, h, t):
+        return self.generator(h, t[1:])
+
+
+class DropoutPairwise(nn.Module):
+    """A pairwise product with dropout inside: the random op must stay outside every loop."""
+
+    def forward(self, x, y):
+        return F.dropout(x[:, None, :] * y[None, :, :], 0.3).sum(-1).amax(-1)
+
+
+def _hand_models():
+    torch.manual_seed(0)
+    return [
+        ("pairwise_l1_min", PairwiseL1Min(), (torch.randn(40, 16, requires_grad=True), torch.randn(30, 16, requires_grad=True))),
+        ("softmax_weighted", SoftmaxWeightedSum(), (torch.randn(64, 32, requires_grad=True), torch.randn(48, 32), torch.randn(48, 32, requires_grad=True))),
+        ("broadcast_lse", BroadcastLogSumExp(), (torch.randn(40, 24, requires_grad=True), torch.randn(50, 24, requires_grad=True))),
+        ("lse_over_batch", LogSumExpOverBatch(), (torch.randn(40, 24, requires_grad=True), torch.randn(50, 24, requires_grad=True))),
+        ("mean_over_batch", MeanOverBatch(), (torch.randn(64, 32, requires_grad=True),)),
+        ("generator", Generator(), (torch.randn(12, 8, 32, requires_grad=True), torch.randint(0, 500, (12, 8)))),
+    ]
+
+
+HAND = _hand_models()
+
+
+# ----------------------------------------------------------------------------------------------
+# (a) outputs and gradients
+
+
+@pytest.mark.parametrize("name,model,inputs", HAND, ids=[h[0] for h in HAND])
+def test_hand_models_are_chunked_and_equivalent(name, model, inputs):
+    opt = memplan.optimize(model, passes="chunk", **FORCE)
+    assert_equivalent(model, opt, *inputs, **TOL)
+    record = opt.plan.records[0]
+    assert record.changed, f"{name}: nothing was chunked"
+    # (c) the simulated peak is strictly lower
+    assert record.peak_after < record.peak_before
+
+
+@pytest.mark.parametrize("name,model,inputs", HAND, ids=[h[0] for h in HAND])
+def test_hand_models_in_inference(name, model, inputs):
+    opt = memplan.optimize(model, passes="chunk", **FORCE)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(*inputs), model(*inputs), **TOL)
+    assert opt.plan.records[0].changed and not opt.plan.training
+
+
+@pytest.mark.parametrize("name", ["chain_product", "maxsim", "seq2seq"])
+def test_examples_are_equivalent_at_default_policy(name):
+    w = examples.make(name)
+    opt = memplan.optimize(w.model, passes="chunk")
+    assert_equivalent(w.model, opt, *w.inputs, **TOL)
+    assert opt.plan.planned_peak < opt.plan.eager_peak
+
+
+def test_maxsim_after_rewrite_is_equivalent_and_lower():
+    w = examples.make("maxsim")
+    opt = memplan.optimize(w.model, passes="rewrite,chunk", **FORCE)
+    assert_equivalent(w.model, opt, *w.inputs, **TOL)
+    rewrite, chunk = opt.plan.records
+    assert rewrite.changed and chunk.changed and chunk.peak_after < chunk.peak_before
+
+
+@pytest.mark.parametrize("z", list(zoo()), ids=lambda z: z.name)
+def test_zoo_is_untouched_or_equivalent(z):
+    opt = memplan.optimize(z.model, passes="chunk", **FORCE)
+    assert_equivalent(z.model, opt, *z.inputs, **TOL)
+
+
+def test_random_op_is_never_chunked():
+    model = DropoutPairwise()
+    x, y = torch.randn(40, 16, requires_grad=True), torch.randn(30, 16, requires_grad=True)
+    opt = memplan.optimize(model, passes="chunk", **FORCE)
+    assert_equivalent(model, opt, x, y, **TOL)  # same RNG seed, same mask: the dropout ran once, whole
+    for module in opt.plan.graph.gm.modules():
+        if isinstance(module, ChunkLoop):
+            for body in module.bodies.values():
+                assert not any(is_random(n) for n in body.graph.nodes if n.op == "call_function")
+
+
+# ----------------------------------------------------------------------------------------------
+# (b) golden op listing
+
+
+def _op(node):
+    if node.op == "call_module":
+        return "loop"
+    return packet_name(node) or node.target.__name__
+
+
+def test_golden_loop_for_pairwise_l1():
+    model = PairwiseL1Min()
+    x, y = torch.randn(40, 16), torch.randn(30, 16)
+    graph = dataclasses.replace(capture(model, x, y, train=False), lifetimes="graph")
+    plan = plan_chunk(graph, Policy(max_overhead=10.0))
+    (region,) = plan.regions
+    assert (region.units, region.chunk) == (40, 2)
+    assert [n for n, _ in region.sources] == ["args_0"]
+    new = apply_chunk(graph, plan)
+    ops = [_op(n) for n in new.gm.graph.nodes if n.op in ("call_function", "call_module")]
+    assert ops == ["unsqueeze", "loop", "getitem"]  # y broadcast once; one loop; its output
+    (loop,) = [m for m in new.gm.modules() if isinstance(m, ChunkLoop)]
+    body = [packet_name(n) for n in loop.bodies["2"].graph.nodes if n.op == "call_function"]
+    assert body == ["unsqueeze", "sub", "abs", "mul", "sum", "amin"]
+    assert [o.kind for o in loop.spec.outputs] == ["cat"]
+
+
+def test_golden_states_of_rules():
+    x = torch.randn(8, 4)
+    gm = torch.fx.experimental.proxy_tensor.make_fx(
+        lambda a, w: torch.logsumexp((a @ w).exp(), dim=0), tracing_mode="fake"
+    )(x, torch.randn(4, 6))
+    a, w, mm, exp, lse = [n for n in gm.graph.nodes][:5]
+    states = {a: Split(0)}
+    states[mm] = chunk_rule(mm, states.get)
+    states[exp] = chunk_rule(exp, states.get)
+    assert chunk_rule(lse, states.get) == Partial("lse")
+    assert chunk_rule(mm, {w: Split(1)}.get) == Split(1)
+    assert chunk_rule(mm, {a: Split(1), w: Split(0)}.get) == Partial("sum")
+    assert chunk_rule(exp, {mm: REP}.get) == REP
+    assert map_view((16, 64, 32), (1024, 32), Split(0)) == Split(0, 64)
+
+
+# ----------------------------------------------------------------------------------------------
+# (c) counts and peaks
+
+
+def test_maxsim_peak_is_much_lower_and_the_ruler_agrees():
+    w = examples.make("maxsim")
+    opt = memplan.optimize(w.model, passes="rewrite,chunk", **FORCE)
+    step = step_fn(opt, w.inputs, train=True)
+    step()
+    measured = measure(step).peak
+    eager = measure(step_fn(w.model, w.inputs, train=True)).peak
+    assert measured * 4 < eager
+    assert abs(measured - opt.plan.planned_peak) <= 0.2 * opt.plan.planned_peak
+
+
+def test_more_chunks_lower_peak_and_more_overhead():
+    graph = dataclasses.replace(capture(BroadcastLogSumExp(), torch.randn(40, 24), torch.randn(50, 24), train=False), lifetimes="graph")
+    peaks = []
+    for counts in ((2,), (8,)):
+        plan = plan_chunk(graph, Policy(max_overhead=10.0), {"chunk.counts": counts})
+        peaks.append(AnalysisManager(apply_chunk(graph, plan)).get(PeakSimulation).peak)
+    assert peaks[1] < peaks[0] < AnalysisManager(graph).get(PeakSimulation).peak
+
+
+def test_budget_picks_the_least_overhead_that_fits():
+    model = BroadcastLogSumExp()
+    graph = dataclasses.replace(capture(model, torch.randn(40, 24), torch.randn(50, 24), train=False), lifetimes="graph")
+    base = AnalysisManager(graph).get(PeakSimulation).peak
+    tight, loose = apply_chunk(graph, plan_chunk(graph, Policy(budget=base // 10))), apply_chunk(graph, plan_chunk(graph, Policy(budget=base // 2)))
+    tight_peak = AnalysisManager(tight).get(PeakSimulation).peak
+    loose_peak = AnalysisManager(loose).get(PeakSimulation).peak
+    assert tight_peak <= base // 10 and loose_peak <= base // 2 and tight_peak <= loose_peak
+
+
+def test_full_size_maxsim_plans_under_64_mib():
+    # Planning runs on fake tensors: the full-size plan is checked without running it (the benchmark runs it).
+    w = examples.make("maxsim", size="full")
+    graph = capture(w.model, *w.inputs, seed="tangents")
+    result = memplan.pipeline.PassManager("rewrite,chunk", Policy(budget="64MiB")).run(graph)
+    assert result.records[-1].peak_after <= 64 * 2**20
+
+
+def test_generator_is_chunked_over_time_despite_shared_sequence_numbers():
+    # The targets' slice shares its autograd sequence number with the log-probabilities' view, and
+    # gradient accumulations carry a stale one: the region's backward is still found, by dataflow.
+    model = ShiftedGenerator()
+    h, t = torch.randn(12, 8, 32, requires_grad=True), torch.randint(0, 500, (13, 8))
+    graph = dataclasses.replace(capture(model, h, t), lifetimes="graph")
+    (region,) = plan_chunk(graph, Policy(max_overhead=10.0)).regions
+    assert region.units == 12 and any(n.startswith("_log_softmax_backward") for n, _ in region.backward)
+    assert region_backward(graph, [n for n, _ in region.forward]) is not None
+
+
+# ----------------------------------------------------------------------------------------------
+# (d) random-graph invariants
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000))
+def test_random_programs_are_untouched_or_equivalent(seed):
+    model, inputs = random_model(seed, requires_grad_input=True)
+    opt = memplan.optimize(model, passes="chunk", **FORCE)
+    assert_equivalent(model, opt, *inputs, **TOL)
+    record = opt.plan.records[0]
+    assert record.peak_after <= record.peak_before
+    if not record.changed:
+        assert not any(isinstance(m, ChunkLoop) for m in opt.plan.graph.gm.modules())
+
+
+def test_plans_are_deterministic():
+    graph = dataclasses.replace(capture(PairwiseL1Min(), torch.randn(40, 16), torch.randn(30, 16)), lifetimes="graph")
+    assert plan_chunk(graph, Policy(max_overhead=10.0)) == plan_chunk(graph, Policy(max_overhead=10.0))

@@ -1,0 +1,231 @@
+"""The rewrite pass: broadcast matmuls without an expanded copy, matmul+max keeping indices."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import memplan
+import memplan.examples as examples
+from memplan.capture import Phase, capture
+from memplan.graphutil import packet_name
+from memplan.passes.rewrite import BroadcastMatmul, MatmulMax, apply_rewrite, plan_rewrite
+from memplan.testing import assert_equivalent, random_model, zoo
+
+# The rewritten matmuls sum over the broadcast dimensions in another order than eager's reduction.
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+class LeftBroadcast(nn.Module):
+    """``W @ x`` with ``W`` (H, D, E) broadcast over the batch: the copied operand is on the left."""
+
+    def __init__(self, heads=4, d=8, e=6):
+        super().__init__()
+        self.W = nn.Parameter(torch.randn(heads, d, e) / e**0.5)
+
+    def forward(self, x):  # x: (B, H, E, 3)
+        return torch.matmul(self.W, x)
+
+
+class TwoBroadcastDims(nn.Module):
+    """``x (B1, B2, H, 1, D) @ W (H, D, E)``: broadcast over two leading dimensions."""
+
+    def __init__(self, heads=3, d=8, e=5):
+        super().__init__()
+        self.W = nn.Parameter(torch.randn(heads, d, e) / d**0.5)
+
+    def forward(self, x):
+        return (x @ self.W).relu()
+
+
+class MiddleBroadcast(nn.Module):
+    """``x (H, B, 2, D) @ W (H, 1, D, E)``: broadcast over a middle dimension, real over the first."""
+
+    def __init__(self, heads=3, d=8, e=5):
+        super().__init__()
+        self.W = nn.Parameter(torch.randn(heads, 1, d, e) / d**0.5)
+
+    def forward(self, x):
+        return (x @ self.W).tanh()
+
+
+class RowMin(nn.Module):
+    """A min over the rows of a batched product (the reduced operand is the left one)."""
+
+    def forward(self, a, b):
+        return (a @ b).min(dim=-2).values * 2
+
+
+class MatmulMaxKeepdim(nn.Module):
+    """A 2-d matmul, max over the columns with keepdim, and the indices returned too."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 40))
+
+    def forward(self, x):
+        values, indices = (x @ self.w).max(dim=1, keepdim=True)
+        return values.exp(), indices
+
+
+class MaxOverBatch(nn.Module):
+    """A max over the batch dimension of a bmm: not a row or column factor, so not rewritten."""
+
+    def forward(self, a, b):
+        return torch.bmm(a, b).max(dim=0).values
+
+
+class AmaxNotRewritten(nn.Module):
+    """``amax`` splits its gradient among ties; the rewrite keeps one index, so it leaves amax alone."""
+
+    def forward(self, a, b):
+        return (a @ b).amax(dim=-1)
+
+
+class ExpandedSource(nn.Module):
+    """The broadcast weight is itself an expanded view (a row repeated): the batch copy still goes."""
+
+    def __init__(self):
+        super().__init__()
+        self.W = nn.Parameter(torch.randn(4, 1, 6))
+
+    def forward(self, x):  # x (B, 4, 2, 6) @ W.expand(4, 6, 6)
+        return x @ self.W.expand(4, 6, 6)
+
+
+def _models():
+    torch.manual_seed(0)
+    return [
+        ("left_broadcast", LeftBroadcast(), (torch.randn(10, 4, 6, 3, requires_grad=True),)),
+        ("two_broadcast_dims", TwoBroadcastDims(), (torch.randn(5, 7, 3, 1, 8, requires_grad=True),)),
+        ("middle_broadcast", MiddleBroadcast(), (torch.randn(3, 9, 2, 8, requires_grad=True),)),
+        ("row_min", RowMin(), (torch.randn(3, 20, 8, requires_grad=True), torch.randn(3, 8, 30, requires_grad=True))),
+        ("matmul_max_keepdim", MatmulMaxKeepdim(), (torch.randn(12, 16, requires_grad=True),)),
+        ("expanded_source", ExpandedSource(), (torch.randn(3, 4, 2, 6, requires_grad=True),)),
+    ]
+
+
+MODELS = _models()
+
+
+# ----------------------------------------------------------------------------------------------
+# (a) outputs and gradients
+
+
+@pytest.mark.parametrize("name,model,inputs", MODELS, ids=[m[0] for m in MODELS])
+def test_rewritten_models_are_equivalent(name, model, inputs):
+    opt = memplan.optimize(model, passes="rewrite")
+    assert_equivalent(model, opt, *inputs, **TOL)
+    assert opt.plan.records[0].changed, f"{name} was not rewritten"
+
+
+@pytest.mark.parametrize("name", ["broadcast_matmul", "maxsim"])
+def test_examples_are_equivalent(name):
+    w = examples.make(name)
+    opt = memplan.optimize(w.model, passes="rewrite")
+    assert_equivalent(w.model, opt, *w.inputs, **TOL)
+
+
+@pytest.mark.parametrize("z", list(zoo()), ids=lambda z: z.name)
+def test_zoo_is_untouched_or_equivalent(z):
+    assert_equivalent(z.model, memplan.optimize(z.model, passes="rewrite"), *z.inputs, **TOL)
+
+
+@pytest.mark.parametrize(
+    "model,inputs",
+    [
+        (MaxOverBatch(), (torch.randn(4, 5, 6), torch.randn(4, 6, 7))),
+        (AmaxNotRewritten(), (torch.randn(4, 5, 6), torch.randn(6, 7))),
+    ],
+    ids=["max_over_batch", "amax"],
+)
+def test_patterns_that_must_not_be_rewritten(model, inputs):
+    inputs = tuple(x.requires_grad_() for x in inputs)
+    assert plan_rewrite(capture(model, *inputs)).rewrites == ()
+
+
+# ----------------------------------------------------------------------------------------------
+# (b) golden op listings
+
+
+def _ops(graph, phase):
+    return [packet_name(n) for n in graph.gm.graph.nodes if n.op == "call_function" and graph.phases[n.name] is phase]
+
+
+def test_golden_broadcast_matmul():
+    w = examples.make("broadcast_matmul")
+    graph = capture(w.model, *w.inputs, seed="tangents")
+    plan = plan_rewrite(graph)
+    assert plan.rewrites == (
+        BroadcastMatmul("bmm", 1, ("expand_1", "clone", "_unsafe_view", "bmm"), "W", "view_1", (256, 8, 64, 64), (0,)),
+    )
+    new, done = apply_rewrite(graph, plan)
+    assert done == plan.rewrites
+    assert _ops(new, Phase.FORWARD) == [
+        "view", "expand", "view",  # the user's x.view(...) and matmul's own reshapes of x
+        "view", "view", "permute", "view", "bmm",  # W as (heads, dim, dim); x viewed as (heads, batch, dim)
+        "view", "permute", "clone", "_unsafe_view",  # back to the (batch * heads, 1, dim) layout: one copy
+        "_unsafe_view", "view",
+    ]
+    backward = _ops(new, Phase.BACKWARD)
+    assert backward.count("bmm") == 2 and "sum" not in backward  # no expanded gradient to reduce
+    largest = max(n.meta["val"].numel() for n in new.gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor))
+    assert largest == 256 * 512  # nothing bigger than x itself
+
+
+def test_golden_matmul_max():
+    w = examples.make("maxsim")
+    graph = capture(w.model, *w.inputs, seed="tangents")
+    (pattern,) = plan_rewrite(graph).rewrites
+    assert isinstance(pattern, MatmulMax)
+    assert (pattern.matmul, pattern.reduce, pattern.rows, pattern.index_dtype) == ("bmm", "max_1", False, torch.uint8)
+    assert pattern.ydims == ((1, 64, 16), (1, 1, 64), (2, 60, 20))  # i, j are row factors; m a column factor
+    new, _ = apply_rewrite(graph, plan_rewrite(graph))
+    backward = _ops(new, Phase.BACKWARD)
+    assert "scatter" not in backward and "new_zeros" not in backward
+    assert {"index", "index_add_"} <= set(backward)
+    saved_small = [n for n in new.gm.graph.nodes if n.meta.get("val") is not None
+                   and getattr(n.meta["val"], "dtype", None) == torch.uint8]
+    assert len(saved_small) == 1 and tuple(saved_small[0].meta["val"].shape) == (16, 64, 20)
+
+
+# ----------------------------------------------------------------------------------------------
+# (c) peaks
+
+
+def test_broadcast_matmul_peak_is_at_least_20x_lower():
+    w = examples.make("broadcast_matmul")
+    opt = memplan.optimize(w.model, passes="rewrite")
+    opt(*w.inputs).sum().backward()
+    assert opt.plan.planned_peak * 20 <= opt.plan.eager_peak
+
+
+def test_matmul_max_peak_is_lower():
+    w = examples.make("maxsim")
+    opt = memplan.optimize(w.model, passes="rewrite")
+    opt(*w.inputs).sum().backward()
+    assert opt.plan.planned_peak * 1.5 <= opt.plan.eager_peak
+
+
+# ----------------------------------------------------------------------------------------------
+# (d) random-graph invariants
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000))
+def test_random_programs_are_untouched_or_equivalent(seed):
+    model, inputs = random_model(seed, requires_grad_input=True)
+    opt = memplan.optimize(model, passes="rewrite")
+    assert_equivalent(model, opt, *inputs, **TOL)
+    record = opt.plan.records[0]
+    assert record.peak_after <= record.peak_before or not record.changed
+
+
+def test_plan_is_deterministic_and_applying_does_not_touch_the_input():
+    w = examples.make("broadcast_matmul")
+    graph = capture(w.model, *w.inputs, seed="tangents")
+    before = graph.gm.code
+    assert plan_rewrite(graph) == plan_rewrite(graph)
+    apply_rewrite(graph, plan_rewrite(graph))
+    assert graph.gm.code == before
