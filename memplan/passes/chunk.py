@@ -86,6 +86,7 @@ import torch.utils._pytree as pytree
 from torch.fx.graph import _BoxedCodeGen
 
 from memplan.analysis.manager import AnalysisManager
+from memplan.analysis.liveness import Liveness
 from memplan.analysis.peak import PeakSimulation
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph, InputSpec, OutputSpec, Phase
@@ -621,6 +622,8 @@ def _index_add(node: torch.fx.Node, st, is_zero) -> RuleResult:
             return Partial("sum")
         if isinstance(sb, Partial) and sb.kind == "sum":
             return Partial("sum")
+        if _accumulates_into(node, base, sb):
+            return Partial("inplace")
         return Barrier("index_add of sliced rows into a non-zero base")
     if isinstance(si, Replicated):
         return _same_dim_all(node, st, [base, source], dim, None)
@@ -654,7 +657,16 @@ def _index_put(node: torch.fx.Node, st, is_zero) -> RuleResult:
     if isinstance(si, Split) and isinstance(sv, Split) and si.dim == sv.dim == 0 and si.inner == sv.inner:
         if isinstance(sb, Replicated) and is_zero(base) or isinstance(sb, Partial) and sb.kind == "sum":
             return Partial("sum")
+        if _accumulates_into(node, base, sb):
+            return Partial("inplace")
     return Barrier("index_put of sliced values into a non-zero base")
+
+
+def _accumulates_into(node: torch.fx.Node, base: Any, state: State) -> bool:
+    """An in-place scatter-add of sliced values into a replicated tensor nothing else reads: every chunk
+    adds its part into the same tensor, which holds the full result after the last chunk
+    (``Partial("inplace")``: no combine, and no op in the region may read it)."""
+    return packet_name(node).endswith("_") and isinstance(state, Replicated) and len(base.users) == 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -950,10 +962,10 @@ def _flood_forward(order: Sequence[torch.fx.Node], seeds: Mapping[torch.fx.Node,
                 pulled.update(foreign)
                 restart = True
                 break
-            if node.name in barriers or foreign:
+            result = chunk_rule(node, st, _is_zero_factory)
+            if node.name in barriers or foreign and result != Partial("inplace"):
                 tainted.add(node)
                 continue
-            result = chunk_rule(node, st, _is_zero_factory)
             if isinstance(result, Need):
                 target = result.node
                 if target in tainted or target in slices:
@@ -1002,9 +1014,9 @@ def _flood_backward(order: Sequence[torch.fx.Node], fixed: Mapping[torch.fx.Node
                 states[node] = relabel[node]
                 continue
             mutated = _mutated_args(node)
-            if any(not _owned_by(m, members) or m in slices for m in mutated):
-                return _Flood(states, slices, relabel, set(), failed=node)
             result = chunk_rule(node, st, _is_zero_factory)
+            if any(m in slices or not _owned_by(m, members) and result != Partial("inplace") for m in mutated):
+                return _Flood(states, slices, relabel, set(), failed=node)
             if isinstance(result, Need):
                 target, want = result.node, result.state
                 if target in slices:
@@ -1374,6 +1386,7 @@ class LoopOutput:
     dtype: torch.dtype = torch.float32
     same_as: int = -1  # the body returns the same tensor as output ``same_as``: reuse its result
     steps: tuple = ()  # ``"inplace"``: the view ops from the accumulator to the output
+    alias_of: int = -1  # the output is loop input ``alias_of``, added into in place by every chunk
     acc_shape: tuple[int, ...] = ()  # ``"inplace"``: the zero accumulator the body adds into
 
 
@@ -1501,13 +1514,16 @@ class ChunkLoop(torch.nn.Module):
 @dataclasses.dataclass(frozen=True)
 class CostRates:
     """A roofline-style estimate of an op's time: FLOPs at ``flops`` per second, bytes read and written
-    at ``bandwidth`` bytes per second, plus ``dispatch`` seconds of framework overhead per op and
-    ``chunk_seconds`` per chunk of a loop. The defaults are a modest 2-core CPU; only ratios matter
-    (the policy compares extra compute with the original)."""
+    at ``bandwidth`` bytes per second, plus a fixed overhead per op (``dispatch`` for ops that compute,
+    ``view_dispatch`` for views, which allocate nothing) and ``chunk_seconds`` per chunk of a loop.
+    The defaults are a modest 2-core CPU, with overheads measured on fx code running tiny tensors
+    (about 3 us per op, 1 us per view); only ratios matter (the policy compares extra compute with the
+    original)."""
 
     flops: float = 50e9
     bandwidth: float = 10e9
-    dispatch: float = 4e-6
+    dispatch: float = 3e-6
+    view_dispatch: float = 1e-6
     chunk_seconds: float = 10e-6
 
 
@@ -1527,9 +1543,9 @@ def _node_cost(node: torch.fx.Node, rates: CostRates) -> float:
     elif name == "convolution":
         weight = _shape(node.args[1])
         flops = 2 * max(_bytes(node) // 4, 1) * math.prod(weight[1:]) if weight else 0
-    traffic = 0
-    if name not in _NO_TRAFFIC:
-        traffic = _bytes(node) + sum(_bytes(a) for a in node.all_input_nodes if _is_tensor(a))
+    if name in _NO_TRAFFIC:
+        return rates.view_dispatch
+    traffic = _bytes(node) + sum(_bytes(a) for a in node.all_input_nodes if _is_tensor(a))
     return flops / rates.flops + traffic / rates.bandwidth + rates.dispatch
 
 
@@ -1592,7 +1608,7 @@ def _output_spec(node: torch.fx.Node, state: State) -> LoopOutput:
     shape, stride = tuple(int(s) for s in value.shape), tuple(int(s) for s in value.stride())
     if isinstance(state, Split):
         return LoopOutput("cat", state.dim, state.inner, shape, stride, dtype=value.dtype)
-    if isinstance(state, Partial):
+    if isinstance(state, Partial) and state.kind != "inplace":
         return LoopOutput(state.kind, shape=shape, stride=stride, dtype=value.dtype)
     return LoopOutput("first", shape=shape, stride=stride, dtype=value.dtype)
 
@@ -1643,6 +1659,10 @@ def _make_loops(
     length in ``inner`` is chunked again by that plan."""
     body_outputs: list[tuple[torch.fx.Node, int | None]] = [(o, None) for o in outputs]
     specs = [_output_spec(o, states.get(o, REP)) for o in outputs]
+    input_index = {node: i for i, (node, _) in enumerate(inputs)}
+    for i, o in enumerate(outputs):
+        if states.get(o) == Partial("inplace") and o.args[0] in input_index:
+            specs[i] = dataclasses.replace(specs[i], alias_of=input_index[o.args[0]])
     for i, out in enumerate(list(outputs)):
         if specs[i].kind == "nll_mean":
             parent = out.args[0]
@@ -1700,7 +1720,10 @@ def _insert_loop(graph_state: dict, gm: torch.fx.GraphModule, loop: ChunkLoop, s
         call = gm.graph.create_node("call_module", target, tuple(args), {}, name=f"chunk{index}_{phase.value}")
     device = like.meta["val"].device if isinstance(like.meta.get("val"), torch.Tensor) else torch.device("cpu")
     with mode:
-        public = [torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device=device) for s in specs if s.public]
+        public = [
+            args[s.alias_of].meta["val"] if s.alias_of >= 0 else torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device=device)
+            for s in specs if s.public
+        ]
         scratch = torch.empty(loop.spec.scratch, dtype=torch.uint8, device=device)
     call.meta["val"] = (*public, scratch)
     items = []
@@ -1719,54 +1742,51 @@ def _insert_loop(graph_state: dict, gm: torch.fx.GraphModule, loop: ChunkLoop, s
 
 def apply_region(graph: CapturedGraph, region: ChunkRegion) -> CapturedGraph:
     """Stage 6 for one region: a new graph with the region replaced by a forward and a backward loop."""
-    new, _ = _apply_region(graph, region, [region.chunk], compile=True)
+    new, _ = _apply_region(graph, region, compile=True)
     return new
 
 
-def _apply_region(graph: CapturedGraph, region: ChunkRegion, sizes: Sequence[int], compile: bool):
-    """:func:`apply_region` with loop modules prepared for every chunk size in ``sizes`` (the graph uses
-    the first); returns the graph and, per size, the ``(loop node, module)`` pairs to swap in."""
+def _apply_region(graph: CapturedGraph, region: ChunkRegion, compile: bool):
+    """:func:`apply_region`, also returning ``loops_for(size)``: the ``(loop node, module)`` pairs that
+    run the same region with another chunk size (built on demand, from the input graph's nodes)."""
+    src = {n.name: n for n in graph.gm.graph.nodes}  # bodies are built from the untouched input graph
     graph = copy_graph(graph, compile=False)
     gm = graph.gm
     mode = fake_mode_of(gm.graph)
     by_name = {n.name: n for n in gm.graph.nodes}
     original = {n: float(i) for i, n in enumerate(gm.graph.nodes)}
-    fstates = {by_name[n]: s for n, s in region.forward}
     forward = [by_name[n] for n, _ in region.forward]
     fset = set(forward)
-    sources = {by_name[n]: s for n, s in region.sources}
-    outputs = [by_name[n] for n in region.outputs]
-    saved = [by_name[n] for n in region.saved]
-    bstates = {by_name[n]: s for n, s in region.backward}
     body = [by_name[n] for n, _ in region.backward]
     bset = set(body)
-    recompute = [by_name[n] for n in region.recompute]
     state = {"phases": dict(graph.phases), "sources": dict(graph.sources), "seq_nr": dict(graph.seq_nr)}
     seq = max([s for s in graph.seq_nr.values() if s < 2**62] + [0]) + 1
     anchor = max(forward, key=lambda n: (_bytes(n), -original[n]))
-    swaps: dict[int, list[tuple[torch.fx.Node, ChunkLoop]]] = {size: [] for size in sizes}
+    inner = {loop: {length: plan for kind, length, plan in region.inner if kind == loop} for loop in ("forward", "backward")}
+    fstates = {src[n]: s for n, s in region.forward}
+    sources = {src[n]: s for n, s in region.sources}
 
     # Step 6a: the forward loop.
-    f_inputs = [(a, sources.get(a, REP)) for a in _external_inputs(forward)]
-    f_outputs = outputs + saved
-    inner = {loop: {length: plan for kind, length, plan in region.inner if kind == loop} for loop in ("forward", "backward")}
-    loops, specs = _make_loops(region, sizes, forward, f_inputs, f_outputs, fstates, mode, compile, inner["forward"])
-    new_fwd = _insert_loop(state, gm, loops[sizes[0]], specs, [a for a, _ in f_inputs], Phase.FORWARD, anchor, seq, mode)
-    for size in sizes:
-        swaps[size].append((new_fwd[0], loops[size]))
+    f_nodes = [src[n] for n, _ in region.forward]
+    f_inputs = [(a, sources.get(a, REP)) for a in _external_inputs(f_nodes)]
+    f_outputs = [src[n] for n in (*region.outputs, *region.saved)]
+    builders = [lambda sizes: _make_loops(region, sizes, f_nodes, f_inputs, f_outputs, fstates, mode, compile, inner["forward"])]
+    loops, specs = builders[0]([region.chunk])
+    new_fwd = _insert_loop(state, gm, loops[region.chunk], specs, [by_name[a.name] for a, _ in f_inputs], Phase.FORWARD, anchor, seq, mode)
+    calls = [new_fwd[0]]
     priority = dict(original)
     first = min(original[n] for n in forward)
     for i, node in enumerate(new_fwd):
         priority[node] = first - 0.5 + i * 1e-6
-    materialised = dict(zip(f_outputs, new_fwd[1:]))
+    materialised = {by_name[o.name]: item for o, item in zip(f_outputs, new_fwd[1:])}
     for node, item in materialised.items():
         node.replace_all_uses_with(item, delete_user_cb=lambda u: u not in fset and u not in bset)
 
     # Step 6b: the backward loop (recomputed forward values first, then the backward body).
     new_bwd: list[torch.fx.Node] = []
     if body:
-        b_nodes = recompute + body
-        slices = {by_name[n]: s for n, s in region.backward_slices}
+        b_nodes = [src[n] for n in region.recompute] + [src[n] for n, _ in region.backward]
+        slices = {src[n]: s for n, s in region.backward_slices}
         b_inputs = []
         for a in _external_inputs(b_nodes):
             if a in slices:
@@ -1776,18 +1796,18 @@ def _apply_region(graph: CapturedGraph, region: ChunkRegion, sizes: Sequence[int
             else:
                 s = sources.get(a, REP)
             b_inputs.append((a, s))
-        states = {**{n: fstates[n] for n in recompute}, **bstates}
-        b_outputs = [by_name[n] for n in region.backward_outputs]
-        bloops, bspecs = _make_loops(region, sizes, b_nodes, b_inputs, b_outputs, states, mode, compile, inner["backward"])
-        args = [materialised.get(a, a) for a, _ in b_inputs]
-        new_bwd = _insert_loop(state, gm, bloops[sizes[0]], bspecs, args, Phase.BACKWARD, body[0], seq, mode)
-        for size in sizes:
-            swaps[size].append((new_bwd[0], bloops[size]))
+        states = {**{src[n]: fstates[src[n]] for n in region.recompute}, **{src[n]: s for n, s in region.backward}}
+        b_outputs = [src[n] for n in region.backward_outputs]
+        builders.append(lambda sizes: _make_loops(region, sizes, b_nodes, b_inputs, b_outputs, states, mode, compile, inner["backward"]))
+        bloops, bspecs = builders[1]([region.chunk])
+        args = [materialised.get(by_name[a.name], by_name[a.name]) for a, _ in b_inputs]
+        new_bwd = _insert_loop(state, gm, bloops[region.chunk], bspecs, args, Phase.BACKWARD, body[0], seq, mode)
+        calls.append(new_bwd[0])
         bfirst = min(original[n] for n in body)
         for i, node in enumerate(new_bwd):
             priority[node] = bfirst - 0.5 + i * 1e-6
-        for node, item in zip(b_outputs, new_bwd[1:]):
-            node.replace_all_uses_with(item, delete_user_cb=lambda u: u not in bset)
+        for name, item in zip(region.backward_outputs, new_bwd[1:]):
+            by_name[name].replace_all_uses_with(item, delete_user_cb=lambda u: u not in bset)
 
     # Step 6c: erase what the loops replaced, then restore a topological order; views of the loops'
     # outputs get fresh fake values (their old ones alias the replaced nodes' storages).
@@ -1807,7 +1827,16 @@ def _apply_region(graph: CapturedGraph, region: ChunkRegion, sizes: Sequence[int
         sources={k: v for k, v in state["sources"].items() if k in live},
         seq_nr={k: v for k, v in state["seq_nr"].items() if k in live},
     )
-    return new, swaps
+    cache: dict[int, list[tuple[torch.fx.Node, ChunkLoop]]] = {region.chunk: [(new_fwd[0], loops[region.chunk])]}
+    if body:
+        cache[region.chunk].append((new_bwd[0], bloops[region.chunk]))
+
+    def loops_for(size: int) -> list[tuple[torch.fx.Node, ChunkLoop]]:
+        if size not in cache:
+            cache[size] = [(call, build([size])[0][size]) for call, build in zip(calls, builders)]
+        return cache[size]
+
+    return new, loops_for
 
 
 def _use_loops(graph: CapturedGraph, swap: Sequence[tuple[torch.fx.Node, ChunkLoop]]) -> None:
@@ -1835,7 +1864,7 @@ def refresh_aliases(graph: torch.fx.Graph, starts: Sequence[torch.fx.Node], mode
 def apply_chunk(graph: CapturedGraph, plan: ChunkPlan, compile: bool = True) -> CapturedGraph:
     """Apply every region of ``plan`` in order (a new graph; ``graph`` is not modified)."""
     for region in plan.regions:
-        graph, _ = _apply_region(graph, region, [region.chunk], compile)
+        graph, _ = _apply_region(graph, region, compile)
     return graph
 
 
@@ -1859,7 +1888,11 @@ class ChunkOptions:
     regions : int
         How many regions one run of the pass may chunk (greedily, one after another).
     evaluate : int
-        How many candidate regions (ranked by the bytes they could free) are evaluated in full.
+        How many candidate regions (ranked by the bytes they could free) are evaluated in full, at
+        least; small graphs evaluate more, up to ``evaluate_nodes`` graph nodes in all (evaluating
+        is building the transformed graph, which costs time in proportion to its size).
+    evaluate_nodes : int
+        The budget of graph nodes built for evaluation per region search.
     save_fraction : float
         A forward value at most this fraction of the region's largest tensor may be saved for the
         backward instead of recomputed (one candidate variant).
@@ -1869,18 +1902,23 @@ class ChunkOptions:
     nest : bool
         When a region's index is used up (chunks of one unit), also try chunking its loop bodies
         along a second independent index (e.g. the tokens of each sequence).
+    nest_fraction : float
+        Try that only for a loop whose chunk needs at least this fraction of the peak (otherwise
+        chunking its body cannot lower the peak much).
     rates : CostRates
         The cost model behind the overhead estimate.
     """
 
-    counts: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 128, 256)
+    counts: tuple[int, ...] = (2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
     seed_nodes: int = 6
     seed_fraction: float = 0.25
     regions: int = 3
     evaluate: int = 3
+    evaluate_nodes: int = 3000
     save_fraction: float = 0.125
     min_gain: float = 0.05
     nest: bool = True
+    nest_fraction: float = 0.25
     rates: CostRates = CostRates()
 
     @classmethod
@@ -1996,7 +2034,8 @@ def _regions(graph: CapturedGraph, options: ChunkOptions) -> list[ChunkRegion]:
         found.setdefault(key, region)
     tensors = AnalysisManager(graph).get(Tensors)
     ranked = sorted(found.values(), key=lambda r: (-_potential(graph, r, tensors), r.label))
-    return ranked[: options.evaluate]
+    size = sum(1 for _ in graph.gm.graph.nodes)
+    return ranked[: max(options.evaluate, min(3 * options.evaluate, options.evaluate_nodes // max(size, 1)))]
 
 
 def _variants(graph: CapturedGraph, region: ChunkRegion, options: ChunkOptions) -> list[tuple[ChunkRegion, list[int]]]:
@@ -2012,25 +2051,45 @@ def _variants(graph: CapturedGraph, region: ChunkRegion, options: ChunkOptions) 
 
 def _evaluate(graph: CapturedGraph, region: ChunkRegion, sizes: list[int], base_cost: float,
               options: ChunkOptions, policy) -> list[Candidate]:
-    """Build the variant once, then simulate the peak and estimate the extra compute for each size."""
+    """Build the variant once, then simulate the peak and estimate the extra compute for each chunk
+    size, from few chunks to many; stop once the policy cannot want more chunks (the overhead passed
+    ``max_overhead``, or the peak fits the budget).
+
+    Sizes differ only in the loops' bodies and scratch, so the graph's analyses are computed once and
+    each size re-runs the peak walk with the loops' scratch sizes (see :func:`_walk_peak`).
+    """
     try:
-        new, swaps = _apply_region(graph, dataclasses.replace(region, chunk=sizes[0]), sizes, compile=False)
+        new, loops_for = _apply_region(graph, dataclasses.replace(region, chunk=sizes[0]), compile=False)
     except (RuntimeError, ValueError, TypeError, IndexError):
         # a body that does not trace at this size (the rules missed a constraint): not a candidate
         return []
-    candidates = []
+    am = AnalysisManager(new)
+    tensors, liveness = am.get(Tensors), am.get(Liveness)
+    calls = [call for call, _ in loops_for(sizes[0])]
+    scratch_ids = [tensors.storages_of(call.name)[-1] for call in calls]
+    fixed_cost = _module_cost(new.gm, options.rates) - sum(loop.cost(options.rates) for _, loop in loops_for(sizes[0]))
+    candidates: list[Candidate] = []
+    stopped = False
     for size in sizes:
-        _use_loops(new, swaps[size])
-        peak = AnalysisManager(new).get(PeakSimulation).peak
-        overhead = max(0.0, graph_cost(new, options.rates) / base_cost - 1.0) if base_cost > 0 else 0.0
+        try:
+            loops = [loop for _, loop in loops_for(size)]
+        except (RuntimeError, ValueError, TypeError, IndexError):
+            continue
+        peak = _walk_peak(tensors, liveness, dict(zip(scratch_ids, (loop.spec.scratch for loop in loops))))
+        cost = fixed_cost + sum(loop.cost(options.rates) for loop in loops)
+        overhead = max(0.0, cost / base_cost - 1.0) if base_cost > 0 else 0.0
         variant = dataclasses.replace(region, chunk=size)
         label = f"{region.label}: {variant.chunks} chunks" + (f", {len(region.saved)} saved" if region.saved else "")
         candidates.append(Candidate(variant, peak, overhead, label))
-    if options.nest and sizes:
-        nested = _nested_variant(swaps[sizes[-1]], dataclasses.replace(region, chunk=sizes[-1]), options, policy)
+        if policy.budget is None and overhead > policy.max_overhead or policy.budget is not None and peak <= policy.budget:
+            stopped = True
+            break
+    if options.nest and candidates and not stopped:
+        finest = candidates[-1]
+        nested = _nested_variant(loops_for(finest.plan.chunk), finest.plan, options, policy, finest.peak)
         if nested is not None:
             try:
-                new, _ = _apply_region(graph, nested, [nested.chunk], compile=False)
+                new, _ = _apply_region(graph, nested, compile=False)
             except (RuntimeError, ValueError, TypeError, IndexError):
                 return candidates
             peak = AnalysisManager(new).get(PeakSimulation).peak
@@ -2039,16 +2098,42 @@ def _evaluate(graph: CapturedGraph, region: ChunkRegion, sizes: list[int], base_
     return candidates
 
 
-def _nested_variant(swap, region: ChunkRegion, options: ChunkOptions, policy) -> ChunkRegion | None:
-    """When the index is used up (a chunk of one unit), chunk the loop bodies along a second index."""
+def _walk_peak(tensors: Tensors, liveness: Liveness, sizes: Mapping[int, int]) -> int:
+    """The peak of :class:`~memplan.analysis.peak.PeakSimulation`'s walk (allocate at birth, free after
+    the last reader, external storages never counted) with some storages' sizes replaced."""
+    born: dict[int, int] = {}
+    dies: dict[int, int] = {}
+    for sid, storage in tensors.storages.items():
+        if storage.external:
+            continue
+        nbytes = sizes.get(sid, storage.nbytes)
+        interval = liveness.intervals[sid]
+        born[interval.start] = born.get(interval.start, 0) + nbytes
+        if interval.end < liveness.end:
+            dies[interval.end] = dies.get(interval.end, 0) + nbytes
+    live = peak = 0
+    for index in range(len(liveness.order)):
+        live += born.get(index, 0)
+        peak = max(peak, live)
+        live -= dies.get(index, 0)
+    return peak
+
+
+def _nested_variant(swap, region: ChunkRegion, options: ChunkOptions, policy, peak: int) -> ChunkRegion | None:
+    """When the index is used up (a chunk of one unit), chunk the loop bodies along a second index.
+
+    Only loops whose chunk (scratch) is a sizeable part of ``peak`` are tried; a body's plan is made
+    on the full-length body and reused for the shorter last chunk's body (the second index is the
+    same in both)."""
     inner_options = dataclasses.replace(options, nest=False, regions=1)
     inner_policy = Policy(max_overhead=policy.max_overhead if policy.budget is None else max(policy.max_overhead, 1.0))
     plans = []
     for kind, (_node, loop) in zip(("forward", "backward"), swap):
-        for length, body in loop.bodies.items():
-            plan, _ = _plan(_body_graph(body), inner_policy, inner_options)
-            if plan.regions:
-                plans.append((kind, int(length), plan))
+        if loop.spec.scratch < options.nest_fraction * peak:
+            continue
+        plan, _ = _plan(_body_graph(loop.bodies[str(region.chunk)]), inner_policy, inner_options)
+        if plan.regions:
+            plans.extend((kind, int(length), plan) for length in loop.bodies)
     return dataclasses.replace(region, inner=tuple(plans)) if plans else None
 
 
