@@ -5,45 +5,53 @@ What it does
 Some regions hold a huge intermediate only because a dimension that stays independent through the
 region (a batch, the ``i`` of a pairwise similarity, the time steps of a generator) is processed all
 at once. This pass splits such a region along that dimension into chunks run in sequence, combines
-the partial results (concatenate, sum, log-sum-exp, max, NLL weighted mean), and runs the region's
-backward chunk by chunk too, recomputing each chunk's forward values instead of saving them
-(Rabe & Staats 2021; KeOps; ``vmap(chunk_size=)``; OpenNMT-py generator shards).
+the partial results (concatenate, sum, length-weighted mean, log-sum-exp, max, NLL mean weighted by
+the chunk's total weight), and runs the region's backward chunk by chunk too, recomputing each
+chunk's forward values instead of saving them (Rabe & Staats 2021; KeOps; ``vmap(chunk_size=)``;
+OpenNMT-py generator shards).
 
-The dimension is found from the graph: every op has a *chunk rule* saying, given which input carries
-the index (``Split(dim, inner)``: the outer factor of ``dim``), which dimension of its output carries
-it, or that the output is a *partial* result over the chunk (a sum, a mean, a log-sum-exp, ...), or
-that the op mixes the index (a barrier: softmax over it, a matmul contracting it into a non-linear
-op, a slice along it, a random op).
+The dimension is found from the graph: every op has a *chunk rule* (:func:`chunk_rule`) saying,
+given which input carries the index (``Split(dim, inner)``: the outer factor of ``dim``), which
+dimension of its output carries it, or that its output is a *partial* result of the chunk
+(``Partial``: a sum, a mean, a log-sum-exp, ...), or that it mixes the index (a ``Barrier``: a softmax
+over it, a slice along it, a random op).
 
 Stages
 ------
 (1) Seeds. For the largest forward tensors and each of their dimensions, walk the index back through
-    ops that carry it to its *sources* (placeholders, or ops that create it such as ``stack``); also
+    ops that carry it to its *sources* (placeholders, or ops that create it, such as ``stack``); also
     every dimension of every user input. Each distinct source set is one candidate index.
-(2) Forward flood. From the sources, propagate states forward through the forward graph with the chunk
-    rules. Nodes that carry the index or hold a partial form the region ``R``; an op that needs a
-    second operand sliced (``x + y`` with both full-sized) slices it too, if it is not downstream of
-    the region; ops that mix the index stop the flood (the region stays convex by construction).
-(3) Backward analysis. The region's backward ``B`` (backward nodes with the sequence numbers of ``R``,
-    plus accumulations between them) is propagated the same way from the states of what it reads.
-    Nodes that carry the index or a partial sum form the backward body; the rest is *hoisted* (runs
-    once, outside the loop). A backward op that mixes the index makes its forward op a barrier and
-    stage (2) runs again without it.
-(4) Recompute or save. Values of ``R`` the backward body reads are recomputed in the body (their
-    ancestors in ``R`` up to materialised values), except small ones a candidate saves from the forward
-    loop (integer indices, log-sum-exps) when saving them removes recomputation.
-(5) Candidates and policy. For several chunk sizes and both save sets, the transformed graph is built,
-    its peak simulated and its extra compute estimated by a cost model (FLOPs, bytes moved, dispatch
-    per op and per chunk); ``ctx.policy.choose`` picks one (or none: the identity is a candidate).
-(6) Apply. Each region becomes one forward loop node and one backward loop node (``ChunkLoop``
-    modules running fx bodies chunk by chunk), the old nodes are erased and the graph is re-sorted
-    stably. A loop node's fake value carries a scratch tensor the size of its body's own peak, so the
-    peak simulation sees the memory a chunk uses.
+(2) Forward flood. From the sources, propagate states forward with the chunk rules. Nodes that carry
+    the index or hold a partial form the region ``R``; an op that needs another operand sliced
+    (``x + y`` with both full-sized) slices it too, unless it is downstream of the region; a
+    shape-only value (a ``zeros``, a broadcast ``expand``) is rebuilt chunk-sized instead; ops that
+    mix the index, and everything after them, stay outside (so the region is convex).
+(3) Backward analysis. The region's backward ``B`` (:func:`region_backward`: backward nodes with the
+    region's autograd sequence numbers, plus the accumulations between them) is propagated the same
+    way from the states of what it reads. Nodes that carry the index or a partial sum form the
+    backward body; the rest is hoisted (runs once, outside the loop). A backward op that mixes the
+    index makes its forward op a barrier, and stage (2) runs again without it.
+(4) Recompute or save. Forward values the backward body reads are recomputed in the body (with their
+    ancestors in ``R`` up to materialised values), except, in one candidate variant, small ones
+    (integer indices, log-sum-exps) saved by the forward loop when that removes recomputation.
+(5) Candidates and policy. For each of the best-ranked regions, each variant and a ladder of chunk
+    counts, the transformed graph is built once, its peak simulated (re-walked per chunk count) and
+    its extra compute estimated with a cost model (:class:`CostRates`: FLOPs, bytes moved, a fixed cost
+    per op and per chunk); when the index is used up (chunks of one unit), the loop bodies are
+    chunked again along a second index (nested chunking: the tokens of each sequence).
+    ``ctx.policy.choose`` picks one candidate, or none (the unchunked graph is a candidate).
+(6) Apply. The region becomes one forward loop node and one backward loop node (:class:`ChunkLoop`
+    modules running fx bodies chunk by chunk); scatter-adds into a zero tensor (gradients of what
+    every chunk reads, e.g. an embedding table) add into one accumulator owned by the loop. The old
+    nodes are erased and the graph re-sorted stably. A loop node's fake value carries a scratch tensor
+    the size of its body's own peak, so the peak simulation sees the memory a chunk uses and agrees
+    with the ruler.
 
 Preconditions
 -------------
-Static shapes; the region's ops all have chunk rules (unknown ops are barriers); the index has at
-least 2 units; no random op and no in-place write to a value from outside the body is in a region.
+Static shapes; every op of a region has a chunk rule (unknown ops are barriers); the index has at
+least 2 units; no random op is in a region, and no op writes in place into a value from outside
+its loop body, except a scatter-add into a tensor nothing else reads (every chunk adds its part).
 
 Soundness conditions (each with a counterexample that the rules refuse)
 ---------------------------------------------------------------------
@@ -52,26 +60,29 @@ Soundness conditions (each with a counterexample that the rules refuse)
 * Partial results flow only through linear ops before they are combined. Counterexample:
   ``exp(x.sum(i))`` on a chunk computes ``exp`` of a partial sum; ``exp`` is a barrier for partials.
 * A reduction over the index has a combine and a backward that slices. Counterexample:
-  ``x.max(dim=i)`` has a combine (max with argmax) but its backward scatters into the full ``i`` with
-  global indices; it is a barrier in training (``amax`` too: its backward divides by a count over ``i``).
+  ``x.max(dim=i)`` has a combine (max with argmax) but its backward scatters into all of ``i`` with
+  global indices; it is a barrier (``amax`` too: its backward divides by a count over ``i``).
 * Random ops are never chunked or recomputed. Counterexample: ``dropout`` drawn chunk by chunk draws
-  different numbers than eager; it is a barrier.
+  other numbers than eager's single draw; it is a barrier.
 * The region is convex (nothing outside it both reads it and feeds it). Counterexample:
-  ``m = x.amax(i); z = x - m; w = z * x``: ``z`` reads the combined ``m`` and ``w`` would need ``z``
-  sliced inside the loop. The flood marks ``z`` downstream of the region, and ``w`` with it.
-* Sums over chunks are accumulated in another order than eager's sums: results agree to float
-  tolerance, not bitwise.
+  ``m = x.amax(i); z = x - m; w = z * x``: ``z`` reads the combined ``m``, and ``w`` would need ``z``
+  sliced inside the loop that computes ``m``. The flood marks ``z`` downstream of the region, and ``w``.
+* In-place writes inside a body go to values the body made, or to one accumulator nothing else reads.
+  Counterexample: ``zeros.index_add_(...)`` with ``zeros`` created once outside the loop and also read
+  by another op would see the other chunks' additions.
+* Sums over chunks add in another order than eager's sums: results agree to float tolerance.
 
 What it leaves to other passes
 ------------------------------
-Rewriting a matmul whose broadcast or max makes its backward huge (``rewrite``), choosing which values
-outside regions to save or recompute (``remat``), reusing buffers (``inplace``, ``arena``) and
-ordering (``schedule``). Nested chunking of two indices at once is not done.
+Rewriting a matmul whose broadcast or max makes its backward huge (``rewrite``, which should run
+first); saving versus recomputing outside regions (``remat``); reusing buffers, e.g. the copy of a
+gradient into its parameter's layout (``inplace``, ``arena``); ordering (``schedule``). It runs best
+before passes that move forward nodes into the backward, since it finds a region's backward by
+autograd sequence numbers.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import heapq
 import math
@@ -90,7 +101,7 @@ from memplan.analysis.liveness import Liveness
 from memplan.analysis.peak import PeakSimulation
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph, InputSpec, OutputSpec, Phase
-from memplan.graphutil import fake_value, is_random, packet_name
+from memplan.graphutil import is_random, packet_name
 from memplan.pipeline import PassContext, PassResult, PassStats, register_pass
 from memplan.policy import Candidate, Policy
 from memplan.errors import InfeasibleBudgetError
@@ -360,7 +371,7 @@ def _matmul(node: torch.fx.Node, st, a: Any, b: Any, batched: bool) -> RuleResul
 def _broadcast_into(node: torch.fx.Node, st, other: Any, out: RuleResult, out_rank: int) -> RuleResult:
     """``out`` combined with a broadcast operand (addmm's bias): slice it if it is full-sized there."""
     if not isinstance(out, Split) or not _is_tensor(other):
-        return out if not isinstance(st(other), (Split, Partial)) or not _is_tensor(other) else Barrier("bias carries the index")
+        return out
     s = st(other)
     aligned = out.dim - (out_rank - len(_shape(other)))
     if isinstance(s, Split):
@@ -895,8 +906,6 @@ def _relabelable(node: torch.fx.Node, state: Split, st: Callable[[Any], State]) 
     name = packet_name(node)
     if name in _RELABEL_FACTORIES:
         return True
-    if name in _FACTORY_LIKE:
-        return isinstance(st(node.args[0]), Replicated) and False
     if name == "expand":
         src = node.args[0]
         if not isinstance(st(src), Replicated):
@@ -1123,6 +1132,7 @@ def _analyse(graph: CapturedGraph, seeds: Mapping[str, Split], label: str) -> Ch
     forward_order = [n for n in gm.graph.nodes if n.op == "call_function" and graph.phases.get(n.name) is Phase.FORWARD]
     barriers: set[str] = set()
     for _ in range(16):
+        # Step 2: the forward flood from the sliced sources.
         flood = _flood_forward(forward_order, seed_nodes, barriers)
         region = [n for n in forward_order if n in flood.states]
         if not any(_carries(flood.states[n]) for n in region):
@@ -1132,6 +1142,7 @@ def _analyse(graph: CapturedGraph, seeds: Mapping[str, Split], label: str) -> Ch
         rb = region_backward(graph, [n.name for n in region])
         if rb is None:
             return None
+        # Step 3: the region's backward, from the states of the values it reads.
         border = [by_name[x] for x in rb.nodes]
         fixed: dict[torch.fx.Node, State] = {n: _combined(flood.states[n]) for n in region}
         fixed.update(flood.slices)
@@ -1191,6 +1202,7 @@ def _finish_region(graph, label, n_units, region, flood: _Flood, border, back: _
                 return None  # a tuple value read outside: only its items may leave the loop
             outputs.append(node)
     backward_outputs = [n for n in body if any(u not in body_set for u in n.users)]
+    # Step 4: what the backward body recomputes (the save-small variant is made by _with_saved).
     recompute = _recompute_closure(region, region_set, set(outputs), body)
     forward_states = tuple((n.name, flood.states[n]) for n in region)
     return ChunkRegion(
@@ -2086,7 +2098,7 @@ def _evaluate(graph: CapturedGraph, region: ChunkRegion, sizes: list[int], base_
             break
     if options.nest and candidates and not stopped:
         finest = candidates[-1]
-        nested = _nested_variant(loops_for(finest.plan.chunk), finest.plan, options, policy, finest.peak)
+        nested = _nested_variant(loops_for(finest.plan.chunk), finest, options, policy)
         if nested is not None:
             try:
                 new, _ = _apply_region(graph, nested, compile=False)
@@ -2119,18 +2131,26 @@ def _walk_peak(tensors: Tensors, liveness: Liveness, sizes: Mapping[int, int]) -
     return peak
 
 
-def _nested_variant(swap, region: ChunkRegion, options: ChunkOptions, policy, peak: int) -> ChunkRegion | None:
-    """When the index is used up (a chunk of one unit), chunk the loop bodies along a second index.
+def _nested_variant(swap, finest: Candidate, options: ChunkOptions, policy) -> ChunkRegion | None:
+    """When the index is used up (chunks of one unit), chunk the loop bodies along a second index.
 
-    Only loops whose chunk (scratch) is a sizeable part of ``peak`` are tried; a body's plan is made
-    on the full-length body and reused for the shorter last chunk's body (the second index is the
-    same in both)."""
+    Only loops whose chunk (scratch) is a sizeable part of the peak are tried. A body is planned under
+    what the outer candidate leaves of the policy: the rest of the overhead allowance, or the budget
+    less what the rest of the graph holds. The plan is made on the full-length body and reused for
+    the shorter last chunk's body (the second index is the same in both)."""
+    region = finest.plan
     inner_options = dataclasses.replace(options, nest=False, regions=1)
-    inner_policy = Policy(max_overhead=policy.max_overhead if policy.budget is None else max(policy.max_overhead, 1.0))
     plans = []
     for kind, (_node, loop) in zip(("forward", "backward"), swap):
-        if loop.spec.scratch < options.nest_fraction * peak:
+        if loop.spec.scratch < options.nest_fraction * finest.peak:
             continue
+        if policy.budget is None:
+            if finest.overhead >= policy.max_overhead:
+                continue
+            # the body runs (1 + outer overhead) times the original work: its own overhead scales by that
+            inner_policy = Policy(max_overhead=(policy.max_overhead - finest.overhead) / (1.0 + finest.overhead))
+        else:
+            inner_policy = Policy(budget=max(1, policy.budget - (finest.peak - loop.spec.scratch)), max_overhead=policy.max_overhead)
         plan, _ = _plan(_body_graph(loop.bodies[str(region.chunk)]), inner_policy, inner_options)
         if plan.regions:
             plans.extend((kind, int(length), plan) for length in loop.bodies)
@@ -2163,6 +2183,7 @@ def _plan(graph: CapturedGraph, policy, options: Mapping[str, Any] | None) -> tu
         base_peak = AnalysisManager(current).get(PeakSimulation).peak
         base_cost = graph_cost(current, opts.rates)
         candidates: list[Candidate] = [Candidate(None, base_peak, 0.0, "unchunked")]
+        # Steps 1-4 find the regions; step 5 builds and measures their candidates.
         for region in _regions(current, opts):
             for variant, sizes in _variants(current, region, opts):
                 candidates.extend(_evaluate(current, variant, sizes, base_cost, opts, policy))

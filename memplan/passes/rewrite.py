@@ -80,7 +80,6 @@ from memplan.capture import CapturedGraph, Phase, _tag_backward_with_seq_nr
 from memplan.graphutil import packet_name
 from memplan.passes.chunk import (
     Split,
-    _inverse,
     copy_graph,
     fake_mode_of,
     refresh_aliases,
@@ -563,6 +562,7 @@ def _replace_region(graph: CapturedGraph, region_names: Sequence[str], input_nam
     region = [by_name[n] for n in region_names]
     region_set = set(region)
     inputs = [by_name[n] for n in input_names]
+    # Step 2: the region's backward, and which gradients it reads and produces.
     backward = region_backward(graph, region_names)
     if backward is None:
         return False
@@ -576,6 +576,7 @@ def _replace_region(graph: CapturedGraph, region_names: Sequence[str], input_nam
     incoming, produced = matched
     needs_grad = [i in produced for i in range(len(inputs))]
     grad_values = [incoming[i][0].meta["val"] if i in incoming else None for i in range(len(outputs))]
+    # Step 3: the replacement's forward and backward, traced together over the inputs' fake values.
     mode = fake_mode_of(gm.graph)
     traced, boundary = _trace(fn, [x.meta["val"] for x in inputs], needs_grad, grad_values)
     if any(getattr(v, "fake_mode", mode) is not mode for n in traced.graph.nodes for v in [n.meta.get("val")]):
@@ -589,6 +590,7 @@ def _replace_region(graph: CapturedGraph, region_names: Sequence[str], input_nam
     traced_seqs = sorted({n.meta["seq_nr"] for n in traced.graph.nodes if isinstance(n.meta.get("seq_nr"), int)})
     remap = {s: base_seq + i for i, s in enumerate(traced_seqs)}
 
+    # Step 4: inline it, forward nodes in the forward phase and backward nodes in the backward phase.
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
     env: dict[torch.fx.Node, Any] = {}
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
@@ -670,6 +672,7 @@ def plan_rewrite(graph: CapturedGraph) -> RewritePlan:
     >>> [type(r).__name__ for r in plan_rewrite(g).rewrites]
     ['BroadcastMatmul']
     """
+    # Step 1: the patterns, each node in at most one.
     found: list[Rewrite] = []
     taken: set[str] = set()
     for pattern in [*_find_broadcast_matmuls(graph), *_find_matmul_max(graph)]:

@@ -169,7 +169,7 @@ def test_examples_are_equivalent_at_default_policy(name):
 
 def test_maxsim_after_rewrite_is_equivalent_and_lower():
     w = examples.make("maxsim")
-    opt = memplan.optimize(w.model, passes="rewrite,chunk", **FORCE)
+    opt = memplan.optimize(w.model, passes="rewrite,chunk", max_overhead=1.0)
     assert_equivalent(w.model, opt, *w.inputs, **TOL)
     rewrite, chunk = opt.plan.records
     assert rewrite.changed and chunk.changed and chunk.peak_after < chunk.peak_before
@@ -241,13 +241,13 @@ def test_golden_states_of_rules():
 
 def test_maxsim_peak_is_much_lower_and_the_ruler_agrees():
     w = examples.make("maxsim")
-    opt = memplan.optimize(w.model, passes="rewrite,chunk", **FORCE)
+    opt = memplan.optimize(w.model, passes="rewrite,chunk", max_overhead=1.0)
     step = step_fn(opt, w.inputs, train=True)
     step()
     measured = measure(step).peak
     eager = measure(step_fn(w.model, w.inputs, train=True)).peak
-    assert measured * 4 < eager
-    assert abs(measured - opt.plan.planned_peak) <= 0.2 * opt.plan.planned_peak
+    assert measured * 15 < eager  # nested chunks: the i of each pair, then the tokens j
+    assert abs(measured - opt.plan.planned_peak) <= 0.05 * opt.plan.planned_peak  # the ruler agrees
 
 
 def test_more_chunks_lower_peak_and_more_overhead():
