@@ -37,8 +37,10 @@ from memplan.policy import Policy
 
 __all__ = ["optimize", "OptimizedModule", "Plan", "DEFAULT_PIPELINE"]
 
-#: Passes run when ``passes=None``; the empty pipeline only captures and emits.
-DEFAULT_PIPELINE: tuple[str, ...] = ()
+#: Passes run when ``passes=None``; the empty pipeline only captures and emits. Rewrites first (they
+#: remove broadcast copies chunking would otherwise carry), then chunking of huge reduced
+#: intermediates, then in-place reuse of what dies, then the order with the lowest peak.
+DEFAULT_PIPELINE: tuple[str, ...] = ("rewrite", "chunk", "inplace", "schedule")
 
 
 @dataclasses.dataclass(frozen=True)

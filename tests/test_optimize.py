@@ -31,6 +31,17 @@ def test_empty_pipeline_is_exact_and_never_uses_more_memory(name, model, inputs)
         assert measure(opt_step).peak <= measure(eager_step).peak
 
 
+@pytest.mark.parametrize("name,model,inputs", MODELS, ids=[m[0] for m in MODELS])
+def test_default_pipeline_is_equivalent_and_never_uses_more_memory(name, model, inputs):
+    opt = optimize(model)
+    # chunking may change summation order: float tolerance only
+    assert_equivalent(model, opt, *inputs, rtol=1e-4, atol=1e-5)
+    for train in (True, False):
+        eager_step, opt_step = step_fn(model, inputs, train=train), step_fn(opt, inputs, train=train)
+        opt_step()
+        assert measure(opt_step).peak <= measure(eager_step).peak
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_programs_are_exact(seed):
     model, inputs = random_model(seed, requires_grad_input=True)
