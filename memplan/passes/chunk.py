@@ -1526,14 +1526,18 @@ class ChunkLoop(torch.nn.Module):
 @dataclasses.dataclass(frozen=True)
 class CostRates:
     """A roofline-style estimate of an op's time: FLOPs at ``flops`` per second, bytes read and written
-    at ``bandwidth`` bytes per second, plus a fixed overhead per op (``dispatch`` for ops that compute,
-    ``view_dispatch`` for views, which allocate nothing) and ``chunk_seconds`` per chunk of a loop.
-    The defaults are a modest 2-core CPU, with overheads measured on fx code running tiny tensors
-    (about 3 us per op, 1 us per view); only ratios matter (the policy compares extra compute with the
-    original)."""
+    at ``bandwidth`` bytes per second (``cache_bandwidth`` when the op's operands and result together
+    fit in ``cache_bytes``: a chunk's working set stays in cache, a whole-batch tensor streams from
+    memory), plus a fixed overhead per op (``dispatch`` for ops that compute, ``view_dispatch`` for
+    views, which allocate nothing) and ``chunk_seconds`` per chunk of a loop. The defaults are a modest
+    2-core CPU: overheads measured on fx code running tiny tensors (about 3 us per op, 1 us per view),
+    and a cache advantage of 1.5x (chain product: its chunked forward ran in 34 ms where eager's took
+    46 ms). Only ratios matter: the policy compares extra compute with the original."""
 
     flops: float = 50e9
     bandwidth: float = 10e9
+    cache_bandwidth: float = 15e9
+    cache_bytes: int = 2**20
     dispatch: float = 3e-6
     view_dispatch: float = 1e-6
     chunk_seconds: float = 10e-6
@@ -1558,7 +1562,8 @@ def _node_cost(node: torch.fx.Node, rates: CostRates) -> float:
     if name in _NO_TRAFFIC:
         return rates.view_dispatch
     traffic = _bytes(node) + sum(_bytes(a) for a in node.all_input_nodes if _is_tensor(a))
-    return flops / rates.flops + traffic / rates.bandwidth + rates.dispatch
+    bandwidth = rates.cache_bandwidth if traffic <= rates.cache_bytes else rates.bandwidth
+    return flops / rates.flops + traffic / bandwidth + rates.dispatch
 
 
 def _module_cost(gm: torch.fx.GraphModule, rates: CostRates) -> float:
@@ -2064,8 +2069,8 @@ def _variants(graph: CapturedGraph, region: ChunkRegion, options: ChunkOptions) 
 def _evaluate(graph: CapturedGraph, region: ChunkRegion, sizes: list[int], base_cost: float,
               options: ChunkOptions, policy) -> list[Candidate]:
     """Build the variant once, then simulate the peak and estimate the extra compute for each chunk
-    size, from few chunks to many; stop once the policy cannot want more chunks (the overhead passed
-    ``max_overhead``, or the peak fits the budget).
+    size, from few chunks to many; stop once the policy cannot want more chunks (the overhead is far
+    beyond ``max_overhead``, or the peak fits the budget).
 
     Sizes differ only in the loops' bodies and scratch, so the graph's analyses are computed once and
     each size re-runs the peak walk with the loops' scratch sizes (see :func:`_walk_peak`).
@@ -2093,7 +2098,10 @@ def _evaluate(graph: CapturedGraph, region: ChunkRegion, sizes: list[int], base_
         variant = dataclasses.replace(region, chunk=size)
         label = f"{region.label}: {variant.chunks} chunks" + (f", {len(region.saved)} saved" if region.saved else "")
         candidates.append(Candidate(variant, peak, overhead, label))
-        if policy.budget is None and overhead > policy.max_overhead or policy.budget is not None and peak <= policy.budget:
+        # The overhead is not monotone in the chunk count (chunks that fit in cache run faster), so
+        # only a hopeless overhead stops the ladder; under a budget the first fit stops it.
+        hopeless = policy.budget is None and overhead > 2.0 * policy.max_overhead + 0.2
+        if hopeless or policy.budget is not None and peak <= policy.budget:
             stopped = True
             break
     if options.nest and candidates and not stopped:
@@ -2168,8 +2176,8 @@ def plan_chunk(graph: CapturedGraph, policy, options: Mapping[str, Any] | None =
     >>> x, y = torch.randn(64, 16), torch.randn(48, 16)
     >>> g = capture(lambda a, b: (a[:, None, :] - b[None, :, :]).abs().sum(-1).amin(-1), x, y, train=False)
     >>> plan = plan_chunk(dataclasses.replace(g, lifetimes="graph"), Policy(max_overhead=10.0))
-    >>> plan.regions[0].units, plan.regions[0].chunks > 1
-    (64, True)
+    >>> plan.regions[0].units, plan.regions[0].chunks > 1  # the 48 rows of b, combined by min
+    (48, True)
     """
     return _plan(graph, policy, options)[0]
 

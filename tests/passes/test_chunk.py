@@ -203,20 +203,21 @@ def _op(node):
 
 
 def test_golden_loop_for_pairwise_l1():
+    # In inference the cheapest plan chunks y, the dimension amin reduces: chunks combine by min.
     model = PairwiseL1Min()
     x, y = torch.randn(40, 16), torch.randn(30, 16)
     graph = dataclasses.replace(capture(model, x, y, train=False), lifetimes="graph")
     plan = plan_chunk(graph, Policy(max_overhead=10.0))
     (region,) = plan.regions
-    assert (region.units, region.chunk) == (40, 2)
-    assert [n for n, _ in region.sources] == ["args_0"]
+    assert (region.units, region.chunk) == (30, 2)
+    assert region.sources == (("args_1", Split(0)),)
     new = apply_chunk(graph, plan)
     ops = [_op(n) for n in new.gm.graph.nodes if n.op in ("call_function", "call_module")]
-    assert ops == ["unsqueeze", "loop", "getitem"]  # y broadcast once; one loop; its output
+    assert ops == ["unsqueeze", "loop", "getitem"]  # x broadcast once; one loop; its output
     (loop,) = [m for m in new.gm.modules() if isinstance(m, ChunkLoop)]
     body = [packet_name(n) for n in loop.bodies["2"].graph.nodes if n.op == "call_function"]
     assert body == ["unsqueeze", "sub", "abs", "mul", "sum", "amin"]
-    assert [o.kind for o in loop.spec.outputs] == ["cat"]
+    assert [o.kind for o in loop.spec.outputs] == ["min"]
 
 
 def test_golden_states_of_rules():
