@@ -32,7 +32,8 @@ from memplan.capture import CapturedGraph, capture
 from memplan.emit import Emitted, PlanFunction, emit, run_inference
 from memplan.errors import CaptureError, UnsupportedInputError
 from memplan.measure import format_bytes
-from memplan.pipeline import PassManager, PassRecord, _mutated_args
+from memplan.graphutil import mutated_args
+from memplan.pipeline import PassManager, PassRecord
 from memplan.policy import Policy
 
 __all__ = ["optimize", "OptimizedModule", "Plan", "DEFAULT_PIPELINE"]
@@ -271,7 +272,7 @@ def _check_mutations(graph: CapturedGraph) -> None:
     for node in graph.gm.graph.nodes:
         if node.op != "call_function":
             continue
-        for target in _mutated_args(node):
+        for target in mutated_args(node):
             for sid in tensors.storages_of(target.name):
                 spec = owner.get(sid)
                 if spec is None or not spec.requires_grad:

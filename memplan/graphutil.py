@@ -17,7 +17,7 @@ import torch.utils._pytree as pytree
 
 from memplan.capture import CapturedGraph, Phase
 
-__all__ = ["packet_name", "is_random", "fake_value", "GraphEditor"]
+__all__ = ["packet_name", "is_random", "mutated_args", "fake_value", "GraphEditor"]
 
 
 def packet_name(node: torch.fx.Node) -> str:
@@ -30,6 +30,20 @@ def is_random(node: torch.fx.Node) -> bool:
     """True for ops that draw from the RNG (their values change if they run twice)."""
     tags = getattr(node.target, "tags", ())
     return torch.Tag.nondeterministic_seeded in tags
+
+
+def mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The argument nodes an op writes into, from its schema (``add_``'s ``self``, an ``out=``)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return []
+    mutated = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if isinstance(value, torch.fx.Node):
+                mutated.append(value)
+    return mutated
 
 
 def _fake_mode_of(values: list[Any]):

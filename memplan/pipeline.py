@@ -33,6 +33,7 @@ from memplan.analysis.peak import PeakSimulation
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph, InputSpec, OutputSpec, Phase, SourceLine
 from memplan.errors import PassError
+from memplan.graphutil import mutated_args
 from memplan.policy import Policy
 
 __all__ = [
@@ -130,19 +131,6 @@ def parse_pipeline(pipeline: str | Sequence[str] | None) -> tuple[str, ...]:
 # verification
 
 
-def _mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return []
-    mutated = []
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-            if isinstance(value, torch.fx.Node):
-                mutated.append(value)
-    return mutated
-
-
 def mutation_hazards(graph: CapturedGraph, am: AnalysisManager) -> frozenset[tuple[str, str]]:
     """``(writer, reader)`` pairs: ``reader`` reads, after ``writer`` wrote it, a storage through a node
     defined before the write. In a graph from eager code these are the user's own aliasing; a pass must
@@ -154,7 +142,7 @@ def mutation_hazards(graph: CapturedGraph, am: AnalysisManager) -> frozenset[tup
     for node in graph.gm.graph.nodes:
         if node.op != "call_function":
             continue
-        for target in _mutated_args(node):
+        for target in mutated_args(node):
             p = position[node.name]
             for sid in tensors.storages_of(target.name):
                 for member in tensors.storages[sid].members:

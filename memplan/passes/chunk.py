@@ -101,7 +101,7 @@ from memplan.analysis.liveness import Liveness
 from memplan.analysis.peak import PeakSimulation
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph, InputSpec, OutputSpec, Phase
-from memplan.graphutil import is_random, packet_name
+from memplan.graphutil import is_random, mutated_args, packet_name
 from memplan.pipeline import PassContext, PassResult, PassStats, register_pass
 from memplan.policy import Candidate, Policy
 from memplan.errors import InfeasibleBudgetError
@@ -684,19 +684,6 @@ def _accumulates_into(node: torch.fx.Node, base: Any, state: State) -> bool:
 # small graph helpers shared with the rewrite pass
 
 
-def _mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return []
-    out = []
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-            if isinstance(value, torch.fx.Node):
-                out.append(value)
-    return out
-
-
 _ALIAS_OPS = {"view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "unsqueeze", "squeeze",
               "select", "slice", "narrow", "alias", "detach", "as_strided", "diagonal", "unbind", "split",
               "split_with_sizes", "chunk", "unfold", "view_as", "_reshape_alias", "lift_fresh"}
@@ -966,7 +953,7 @@ def _flood_forward(order: Sequence[torch.fx.Node], seeds: Mapping[torch.fx.Node,
                 continue
             if not any(a in states or a in slices for a in inputs):
                 continue
-            foreign = [m for m in _mutated_args(node) if not _owned_by(m, set(states))]
+            foreign = [m for m in mutated_args(node) if not _owned_by(m, set(states))]
             if foreign and all(packet_name(m) in _RELABEL_FACTORIES and m not in pulled for m in foreign):
                 pulled.update(foreign)
                 restart = True
@@ -1022,7 +1009,7 @@ def _flood_backward(order: Sequence[torch.fx.Node], fixed: Mapping[torch.fx.Node
             if node in relabel:
                 states[node] = relabel[node]
                 continue
-            mutated = _mutated_args(node)
+            mutated = mutated_args(node)
             result = chunk_rule(node, st, _is_zero_factory)
             if any(m in slices or not _owned_by(m, members) and result != Partial("inplace") for m in mutated):
                 return _Flood(states, slices, relabel, set(), failed=node)
@@ -1173,7 +1160,7 @@ def _finish_region(graph, label, n_units, region, flood: _Flood, border, back: _
     while pulled:
         pulled = False
         for node in list(body):
-            for target in _mutated_args(node):
+            for target in mutated_args(node):
                 chain = [target]
                 while packet_name(chain[-1]) in _ALIAS_OPS and chain[-1].args:
                     chain.append(chain[-1].args[0])
@@ -1872,7 +1859,7 @@ def refresh_aliases(graph: torch.fx.Graph, starts: Sequence[torch.fx.Node], mode
     for node in graph.nodes:
         if node.op != "call_function" or not any(a in dirty for a in node.all_input_nodes):
             continue
-        aliasing = packet_name(node) in _ALIAS_OPS or node.target is operator.getitem or bool(_mutated_args(node))
+        aliasing = packet_name(node) in _ALIAS_OPS or node.target is operator.getitem or bool(mutated_args(node))
         if aliasing:
             node.meta["val"] = _fake_call(node.target, node.args, node.kwargs, mode)
             dirty.add(node)

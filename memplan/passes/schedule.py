@@ -64,8 +64,8 @@ from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph, Phase
-from memplan.graphutil import is_random
-from memplan.pipeline import PassContext, PassResult, PassStats, _mutated_args, register_pass
+from memplan.graphutil import is_random, mutated_args
+from memplan.pipeline import PassContext, PassResult, PassStats, register_pass
 
 __all__ = ["STRATEGIES", "SchedulePlan", "ScheduleProblem", "plan_schedule", "apply_schedule"]
 
@@ -167,7 +167,7 @@ class ScheduleProblem:
         # Step 1b: writers stay between the earlier and the later readers of what they write.
         ordered: list[int] = []
         for i, node in enumerate(nodes):
-            written = _mutated_args(node) if node.op == "call_function" else []
+            written = mutated_args(node) if node.op == "call_function" else []
             if written or _has_side_effects(node):
                 ordered.append(i)
             for target in written:
