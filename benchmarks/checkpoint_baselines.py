@@ -1,0 +1,171 @@
+"""Hand-placed ``torch.utils.checkpoint`` per segment of time steps, against eager and memplan, on the latent GRU.
+
+The latent GRU of user report 003 unrolls a GRU-like cell in Python; autograd keeps every step for the
+backward. The usual hand fix is to wrap segments of ``k`` steps in ``torch.utils.checkpoint`` (always with
+``use_reentrant=False``): only the hidden state between segments is kept, and each segment is recomputed
+in the backward. :class:`CheckpointedLatentGRU` is that fix, written against the example's own module (same
+parameters, same noise, same outputs and gradients). This script measures, side by side:
+
+* eager;
+* the checkpointed model for several segment lengths (``sqrt(T)`` among them);
+* ``memplan.optimize(model, passes=...)`` for the recomputing pipelines, at the default policy and at a
+  larger ``max_overhead``.
+
+Peaks are ``memplan.measure`` on ``memplan.steps.step_fn(model, inputs, train=True)`` (bytes allocated
+during one training step); "activations" is the peak minus what the step leaves behind (outputs and
+gradients); times are medians of interleaved repeats, on one thread by default. "passes s" is the time the passes
+took on the first call; capture (make_fx over the unrolled loop) is timed apart.
+
+Run ``python benchmarks/checkpoint_baselines.py [--steps 64 1000] [--batch 16] [--hidden 64]
+[--input 32] [--repeats 5] [--pipelines remat timesteps timesteps,remat] [--threads 1]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import memplan
+from memplan.capture import capture
+from memplan.examples.latent_gru import LatentGRU
+from memplan.measure import format_bytes, measure
+from memplan.steps import step_fn
+from memplan.testing import assert_equivalent
+
+__all__ = ["CheckpointedLatentGRU", "latent_gru", "main"]
+
+
+def _step(model: LatentGRU, hidden: torch.Tensor, x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """One step of :class:`~memplan.examples.latent_gru.LatentGRU`, op for op."""
+    stats = torch.mm(hidden, model.W_enc)
+    mean, log_var = stats.chunk(2, dim=1)
+    latent = mean + eps * torch.exp(0.5 * log_var)
+    x_gates = torch.mm(x, model.W_ih)
+    z_gates = torch.mm(latent, model.W_zh)
+    x_reset, x_update, x_new = x_gates.chunk(3, dim=1)
+    z_reset, z_update, z_new = z_gates.chunk(3, dim=1)
+    update = torch.sigmoid(x_update + z_update)
+    reset = torch.sigmoid(x_reset + z_reset)
+    candidate = torch.tanh(x_new + reset * z_new)
+    return candidate + update * (hidden - candidate)
+
+
+class CheckpointedLatentGRU(nn.Module):
+    """The latent GRU with every ``segment`` steps wrapped in ``torch.utils.checkpoint(use_reentrant=False)``.
+
+    The noise is drawn once before the loop, as the original draws it, so both consume the RNG alike; the
+    checkpointed segments read it, never redraw it.
+    """
+
+    def __init__(self, model: LatentGRU, segment: int):
+        super().__init__()
+        self.model = model
+        self.segment = segment
+
+    def _segment(self, hidden: torch.Tensor, xs: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outputs = []
+        for x, eps in zip(xs.unbind(0), noise.unbind(0)):
+            hidden = _step(self.model, hidden, x, eps)
+            outputs.append(hidden)
+        return torch.stack(outputs), hidden
+
+    def forward(self, input_seq: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seq_len, batch, _ = input_seq.shape
+        noise = torch.randn(seq_len, batch, self.model.hidden_size, device=input_seq.device, dtype=input_seq.dtype)
+        outputs = []
+        for first in range(0, seq_len, self.segment):
+            last = min(first + self.segment, seq_len)
+            out, hidden = checkpoint(self._segment, hidden, input_seq[first:last], noise[first:last],
+                                     use_reentrant=False)
+            outputs.append(out)
+        return torch.cat(outputs), hidden
+
+
+def latent_gru(steps: int, batch: int, hidden: int, inputs: int, seed: int = 0) -> tuple[LatentGRU, tuple]:
+    """The latent GRU of ``memplan.examples`` at any size (``make`` offers only "small" and "full")."""
+    torch.manual_seed(seed)
+    model = LatentGRU(inputs, hidden).train()
+    return model, (torch.randn(steps, batch, inputs, requires_grad=True), torch.zeros(batch, hidden))
+
+
+def _median_seconds(steps: Sequence[Callable[[], Any]], repeats: int) -> list[float]:
+    """Median time of each step, timed interleaved (one run of each per round)."""
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(repeats):
+        for i, step in enumerate(steps):
+            start = time.perf_counter()
+            step()
+            times[i].append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, nargs="+", default=[64, 1000])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--input", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--pipelines", nargs="+", default=["remat", "timesteps", "timesteps,remat"])
+    parser.add_argument("--max-overheads", type=float, nargs="+", default=[0.3, 0.35])
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier step times)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows: list[dict[str, Any]] = []
+    for steps in args.steps:
+        model, inputs = latent_gru(steps, args.batch, args.hidden, args.input)
+        start = time.perf_counter()
+        capture(model, *inputs, seed="tangents")
+        capture_seconds = time.perf_counter() - start
+        candidates: list[tuple[str, nn.Module, float]] = [("eager", model, 0.0)]
+        root = max(1, round(math.sqrt(steps)))
+        for segment in sorted({root // 2 or 1, root, 2 * root}):
+            candidates.append((f"checkpoint every {segment} steps", CheckpointedLatentGRU(model, segment), 0.0))
+        for pipeline in args.pipelines:
+            for max_overhead in args.max_overheads:
+                opt = memplan.optimize(model, passes=pipeline, max_overhead=max_overhead)
+                step_fn(opt, inputs, train=True)()  # first call: capture and plan
+                passes = sum(record.seconds for record in opt.plan.records)
+                label = f"memplan {pipeline} (max_overhead={max_overhead:g})"
+                candidates.append((label, opt, passes))
+        eager_step = step_fn(model, inputs, train=True)
+        eager = measure(eager_step)
+        for label, candidate, plan_seconds in candidates:
+            if label != "eager":
+                assert_equivalent(model, candidate, *inputs)
+            step = step_fn(candidate, inputs, train=True)
+            step()
+            m = measure(step)
+            seconds, reference = _median_seconds([step, eager_step], args.repeats)
+            rows.append({
+                "steps": steps, "model": label, "peak": m.peak, "activations": m.peak - m.after,
+                "peak_ratio": eager.peak / m.peak, "activation_saving": 1 - (m.peak - m.after) / (eager.peak - eager.after),
+                "time_ratio": seconds / reference, "plan_seconds": plan_seconds, "capture_seconds": capture_seconds,
+            })
+    _print(rows)
+    return rows
+
+
+def _print(rows: Sequence[dict[str, Any]]) -> None:
+    header = (f"{'T':>5}  {'model':48s} {'peak':>11} {'x lower':>8} {'activations':>12} {'saved':>7} "
+              f"{'time':>6} {'passes s':>8}")
+    print(header)
+    for r in rows:
+        plan = f"{r['plan_seconds']:.1f}" if r["plan_seconds"] else "-"
+        print(f"{r['steps']:>5}  {r['model']:48s} {format_bytes(r['peak']):>11} {r['peak_ratio']:>7.2f}x "
+              f"{format_bytes(r['activations']):>12} {r['activation_saving']:>6.1%} {r['time_ratio']:>5.2f}x {plan:>8}")
+    for steps in sorted({r["steps"] for r in rows}):
+        capture_seconds = next(r["capture_seconds"] for r in rows if r["steps"] == steps)
+        print(f"capture of the {steps}-step graph: {capture_seconds:.1f} s (not counted in 'passes s')")
+
+
+if __name__ == "__main__":
+    main()

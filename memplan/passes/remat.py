@@ -1,0 +1,1609 @@
+"""Rematerialisation: which forward tensors the backward keeps, and which it recomputes.
+
+What it does
+------------
+In a captured training graph, whatever forward node a backward node reads is saved: it stays in memory
+from the forward until its last backward reader. This pass copies chosen forward nodes into the backward
+phase, each just before its first consumer, and points the backward readers at the copies; the emitted
+forward then saves only what the copies read. Which nodes to recompute is a minimum cut of the forward
+graph (AOTAutograd's construction, solved with networkx), swept over a price of compute and completed by
+a knapsack over classes of expensive ops, so that the policy can pick the least recomputation that fits
+a budget, or the lowest peak within ``max_overhead``.
+
+Stages
+------
+(1) Facts (:class:`RematFacts`). Per forward node: whether it may be recomputed (soundness below), what
+    recomputing it costs (FLOPs from shapes, :func:`node_flops`) and what saving it costs (bytes of the
+    storages its value keeps alive; nothing for inputs, parameters and storages an output keeps anyway).
+    An *in-place unit* (a storage the forward creates and writes in place before anyone else reads it,
+    such as ``nn.LSTMCell``'s gate buffer: ``addmm``, ``add_``, ``sigmoid_`` on slices) is one node.
+(2) Stack reads (:func:`plan_stack_reads`). A tensor that the forward copies into a ``stack``/``cat``
+    that stays alive anyway (a graph output, or read by the backward) is free to save: every backward
+    reader, copies included, reads a slice of the stack instead. An unrolled RNN that appends its
+    hidden states to ``outputs`` then saves no state at all.
+(3) Cuts (:func:`min_cut`). Each forward node ``v`` becomes ``v_in -> v_out`` with capacity = the bytes
+    of saving it (a view is merged into what it views, a unit into its creator); forward edges
+    ``u_out -> v_in`` and ``v_out -> sink`` (for what the backward reads) are infinite; a node that
+    cannot be recomputed hangs from the source by its saving cost. A cut edge is a saved tensor, a
+    needed node on the sink side is recomputed. Three families of cuts:
+    (a) AOTAutograd's: expensive ops (``remat.ban_ops``) banned, every other op free to recompute;
+    (b) priced: ``source -> v_in`` has capacity ``lam * FLOPs(v)``, so the cut minimises ``saved bytes +
+        lam * recomputed FLOPs`` exactly. ``lam`` is bisected over ``remat.price_range`` (times the
+        graph's ratio of saved bytes to forward FLOPs) where the cut changes; this traces the lower
+        convex hull of the memory/compute trade-off;
+    (c) the knapsack: the hull misses plans in between, so classes of expensive ops (same op on the same
+        shapes: the ``mm`` of every loop step) are kept saved in turn, everything else recomputed.
+(4) Hoisting repair (:func:`hoisted`). A cut does not see *when* a copy lives: a copy that another copy
+    needs early lives from then until its own reader (cut an RNN only at its first state and every step
+    is recomputed at the start of the backward, which keeps as much as saving it all). For each cut,
+    a variant saves every node whose copy would be placed more than ``remat.hoist_limits`` positions
+    before its own first reader (scanning from the last forward node back) and cuts again.
+(5) Candidates (:func:`plan_remat`). Each distinct recompute set is placed (:func:`plan_copies`) and
+    simulated without building it (:class:`VirtualSimulation`, the model ``PeakSimulation`` and the
+    ruler use, plus :func:`step_margin`, the step's own loss scalars): ``Candidate(plan, peak,
+    overhead)`` with overhead = recomputed FLOPs / FLOPs of the whole graph. The untouched graph is a
+    candidate. The set does not depend on the budget, so the chosen peak never rises when the budget
+    falls (AOTAutograd's does: pytorch/pytorch#197838).
+(6) ``ctx.policy.choose`` picks among the Pareto-optimal candidates (a budget: least overhead that fits,
+    else :class:`~memplan.errors.InfeasibleBudgetError` naming the smallest peak; none: lowest peak whose
+    overhead is within ``max_overhead``), and :func:`apply_remat` applies it.
+
+Apply (:func:`apply_recompute`, shared with the ``timesteps`` pass): a plan is a list of nested
+:class:`RecomputeGroup`; a backward node reads a forward value through the deepest group that serves it
+and holds the value, else its parent's, else the original (saved) value. Copies are made on demand (a
+group recomputes just what its consumers need), each immediately before its earliest consumer, inputs
+first; an in-place unit is replayed whole on a fresh storage, its views re-derived with ``as_strided``
+after each write. Fake values of copies are built from the originals' metadata (:func:`_rebuilt`).
+
+Preconditions
+-------------
+A training graph with graph lifetimes (the pipeline sets them) and fake values on every node.
+Inference graphs are returned untouched.
+
+Soundness conditions, each with the counterexample it rules out
+---------------------------------------------------------------
+(a) Never recompute an op that draws from the RNG (``graphutil.is_random``). Counterexample: ``dropout``
+    recomputed in the backward would mask other elements than the forward did; its output is saved.
+(b) Never recompute an op that writes in place, unless it is part of an in-place unit replayed whole on
+    a fresh storage. Counterexample: BatchNorm's ``running_mean.add_`` recomputed would update the
+    running statistics twice (the running mean is a buffer: never a unit).
+(c) Never recompute an op that reads (or is) a storage written after it. Counterexample:
+    ``y = buf * 2; buf.add_(1)``: a copy of ``y`` in the backward would read the updated ``buf``.
+    A unit needs every reader outside it to come after its last write: ``g = addmm(..); h = g.sigmoid();
+    g.add_(1)`` is no unit, since a copy of the unit would hand ``h``'s copy the written ``g``.
+(d) A copy reads only saved originals or earlier copies and precedes its consumers, and never reads an
+    original through a node defined before a later write to its storage (it reads an ``as_strided``
+    view of the last write instead). Counterexample: a copy reading LSTMCell's ``detach(sigmoid_)``,
+    defined before ``tanh_`` writes the same buffer, would be an in-place hazard the pipeline rejects.
+(e) A stack read needs the slice to equal the tensor exactly: same dtype, shape and strides (else it is
+    copied contiguous), and no write to either storage after the stack. Counterexample: ``cat`` of an
+    int and a float tensor promotes the int; ``stack(xs, dim=1)[:, i]`` has other strides than
+    ``xs[i]``, and a backward ``view`` of it would fail. A user who writes into a returned tensor before
+    ``backward()`` gets autograd's "modified by an inplace operation" error, not a wrong gradient.
+
+Left to other passes
+--------------------
+Checkpointing across the steps of an unrolled loop on an optimal schedule (``timesteps``: a cut copies
+each value at most once, so it cannot nest recomputation), reusing storages of dead tensors (``inplace``,
+``arena``), reordering (``schedule``: run it before this pass, since a reorder could move copies back to
+the top of the backward), splitting big intermediates (``chunk``). The policy is applied per pass: in a
+pipeline the overheads of several recomputing passes add up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from memplan.analysis.manager import AnalysisManager
+from memplan.analysis.tensors import Tensors, tensor_values
+from memplan.capture import CapturedGraph, Phase
+from memplan.graphutil import GraphEditor, fake_value, is_random, mutated_args, packet_name
+from memplan.measure import format_bytes
+from memplan.pipeline import PassContext, PassResult, PassStats, register_pass
+from memplan.policy import Candidate, Policy
+
+__all__ = [
+    "DEFAULT_BAN_OPS",
+    "RematOptions",
+    "NodeFacts",
+    "RematFacts",
+    "StackRead",
+    "RecomputeGroup",
+    "RematPlan",
+    "node_flops",
+    "graph_flops",
+    "VirtualSimulation",
+    "step_margin",
+    "plan_stack_reads",
+    "apply_stack_reads",
+    "retarget",
+    "min_cut",
+    "plan_copies",
+    "apply_recompute",
+    "plan_remat",
+    "apply_remat",
+    "remat",
+]
+
+#: Ops too expensive to recompute in AOTAutograd's cut (its ``compute_intensive_ops``): matrix products,
+#: convolutions and attention kernels. The priced cuts may still recompute them, at their FLOP cost.
+DEFAULT_BAN_OPS: tuple[str, ...] = (
+    "mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "linear", "_addmm_activation", "einsum",
+    "convolution", "_convolution", "convolution_backward", "cudnn_convolution", "mkldnn_convolution",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward", "_efficient_attention_forward", "_scaled_mm", "upsample_bilinear2d",
+)
+
+#: Ops that produce a new tensor but cost no arithmetic worth counting (memory movement only).
+_MOVE_OPS = frozenset({"clone", "contiguous", "_to_copy", "copy", "cat", "stack", "zeros", "ones", "full", "empty",
+                       "zeros_like", "ones_like", "full_like", "empty_like", "new_zeros", "new_ones", "new_empty",
+                       "new_full", "scalar_tensor", "lift_fresh_copy", "_unsafe_view", "index_select",
+                       "embedding", "gather", "constant_pad_nd"})
+
+
+# ----------------------------------------------------------------------------------------------
+# options
+
+
+@dataclasses.dataclass(frozen=True)
+class RematOptions:
+    """Options of the pass, read from ``ctx.options`` keys ``"remat.<field>"``.
+
+    Attributes
+    ----------
+    ban_ops : tuple of str
+        Op names (``overloadpacket`` names, e.g. ``"mm"``) that AOTAutograd's cut never recomputes.
+        Rationale: a matmul costs ``O(n^3)`` for ``O(n^2)`` bytes, so saving it is almost always cheaper
+        than recomputing it; the priced cuts still consider them.
+    price_range : (float, float)
+        Lowest and highest price of compute for the priced cuts, as multiples of the graph's ratio of
+        saved bytes to forward FLOPs (at 1.0, recomputing the whole forward costs as much as saving
+        everything it saves). Rationale: below 0.01 everything recomputable is recomputed, above 10
+        nothing that costs FLOPs is; the two ends bracket the trade-off.
+    price_depth : int
+        How many times a price interval whose ends cut differently is bisected (at most
+        ``2**depth + 1`` priced cuts). Each cut costs one networkx max-flow.
+    hoist_limits : tuple of int
+        Hoisting limits (graph positions) tried as a repaired variant of every cut. Rationale: a copy
+        hoisted a few positions (within one op's backward) is harmless, one hoisted across a loop step
+        keeps the step's values alive; simulation decides between the plain and the repaired cut.
+    max_nodes : int
+        Graphs with more forward nodes than this get AOTAutograd's cut and the two end prices only
+        (networkx's max-flow is pure Python).
+    max_ban_classes : int
+        Up to this many classes of expensive ops (same op on the same shapes, e.g. one ``mm`` per loop
+        step), every subset is tried kept saved while everything else is recomputed; beyond it, growing
+        prefixes by FLOPs. Rationale: the priced cuts only reach the convex hull of the trade-off.
+
+    Examples
+    --------
+    >>> RematOptions.from_mapping({"remat.ban_ops": ("mm",)}).ban_ops
+    ('mm',)
+    """
+
+    ban_ops: tuple[str, ...] = DEFAULT_BAN_OPS
+    price_range: tuple[float, float] = (0.01, 10.0)
+    price_depth: int = 4
+    hoist_limits: tuple[int, ...] = (16,)
+    max_nodes: int = 20000
+    max_ban_classes: int = 4
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any]) -> "RematOptions":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(k for k in options if k.startswith("remat.") and k[len("remat."):] not in fields)
+        if unknown:
+            valid = sorted("remat." + f for f in fields)
+            raise ValueError(f"unknown remat option(s) {unknown}; valid ones are {valid}")
+        values = {}
+        for name in fields:
+            key = f"remat.{name}"
+            if key in options:
+                value = options[key]
+                values[name] = tuple(value) if isinstance(value, (list, tuple)) else value
+        return cls(**values)
+
+
+# ----------------------------------------------------------------------------------------------
+# facts
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeFacts:
+    """What the planner knows about one forward node (or graph input)."""
+
+    name: str
+    position: int  # index in graph order
+    recomputable: bool
+    why_not: str | None  # why it cannot be recomputed
+    expensive: bool  # its op is in ``ban_ops``
+    signature: str  # op and input shapes, e.g. "mm(16x64,64x128)": repeated ops of a loop share it
+    flops: int
+    save_bytes: int  # bytes kept alive by saving it (0: input, parameter, or kept by an output anyway)
+    first_reader: int | None  # position of its first backward reader
+    saveable: bool = True  # a single tensor (emit cannot save a list of tensors)
+    view_of: str | None = None  # the one input whose storage this node only views (no FLOPs, no storage)
+    unit: str | None = None  # first node of the in-place unit it belongs to (see ``RematFacts.units``)
+
+
+@dataclasses.dataclass(frozen=True)
+class RematFacts:
+    """Facts about every forward node, the forward edges, and what the backward reads."""
+
+    nodes: Mapping[str, NodeFacts]
+    inputs: Mapping[str, tuple[str, ...]]  # forward node -> forward nodes / graph inputs it reads
+    needed: tuple[str, ...]  # forward nodes and graph inputs that a backward node reads, graph order
+    total_flops: int  # FLOPs of the whole graph, forward and backward
+    forward_flops: int
+    units: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # member -> its unit
+
+    @classmethod
+    def compute(cls, graph: CapturedGraph, am: AnalysisManager,
+                ban_ops: Iterable[str] = DEFAULT_BAN_OPS) -> "RematFacts":
+        tensors = am.get(Tensors)
+        ban = frozenset(ban_ops)
+        nodes = list(graph.gm.graph.nodes)
+        position = {n.name: i for i, n in enumerate(nodes)}
+        written = _last_writes(graph, tensors)
+        kept = _output_storages(graph, tensors)
+        units = _inplace_units(graph, tensors, position, written)
+        tangents = {s.node for s in graph.inputs if s.kind == "tangent"}
+        facts: dict[str, NodeFacts] = {}
+        inputs: dict[str, tuple[str, ...]] = {}
+        needed: list[str] = []
+        total = forward = 0
+        for node in nodes:
+            if node.op == "call_function":
+                flops = node_flops(node, tensors)
+                total += flops
+                if graph.phases.get(node.name) is not Phase.FORWARD:
+                    continue
+                forward += flops
+            elif node.op not in ("placeholder", "get_attr") or node.name in tangents:
+                continue
+            else:
+                flops = 0
+            readers = [position[u.name] for u in node.users
+                       if u.op == "call_function" and graph.phases.get(u.name) is Phase.BACKWARD]
+            first_reader = min(readers) if readers else None
+            if first_reader is not None:
+                needed.append(node.name)
+            unit = units.get(node.name)
+            if unit is not None:
+                own = set(tensors.storages_of(unit[0]))
+                why_not = _why_not_recomputable(node, position[node.name], tensors,
+                                                {k: v for k, v in written.items() if k not in own}, in_unit=True)
+            elif node.op == "call_function":
+                why_not = _why_not_recomputable(node, position[node.name], tensors, written)
+            else:
+                why_not = "graph input"
+            parent = node.args[0] if node.target is operator.getitem else None
+            if why_not is None and isinstance(parent, torch.fx.Node) and parent.name in facts \
+                    and not facts[parent.name].recomputable:
+                why_not = "part of a multi-output op that cannot be recomputed"
+            facts[node.name] = NodeFacts(
+                name=node.name,
+                position=position[node.name],
+                recomputable=why_not is None,
+                why_not=why_not,
+                expensive=packet_name(node) in ban,
+                signature=_signature(node),
+                flops=flops,
+                save_bytes=_save_bytes(node, tensors, kept),
+                saveable=node.op != "call_function" or isinstance(node.meta.get("val"), torch.Tensor),
+                view_of=_view_of(node, tensors) if node.op == "call_function" else None,
+                first_reader=first_reader,
+                unit=unit[0] if unit is not None else None,
+            )
+            inputs[node.name] = tuple(a.name for a in node.all_input_nodes)
+        # A unit is recomputed whole or not at all.
+        for member, unit in units.items():
+            if not all(facts[m].recomputable for m in unit):
+                why = next(facts[m].why_not for m in unit if not facts[m].recomputable)
+                facts[member] = dataclasses.replace(facts[member], recomputable=False, why_not=why)
+        return cls(nodes=facts, inputs=inputs, needed=tuple(needed), total_flops=total, forward_flops=forward,
+                   units=units)
+
+    def saved_bytes(self) -> int:
+        """Bytes the untouched graph saves (sum over needed nodes; shared storages counted once)."""
+        return sum(self.nodes[n].save_bytes for n in self.needed)
+
+
+def _last_writes(graph: CapturedGraph, tensors: Tensors) -> dict[int, int]:
+    """Storage id -> graph position of the last node that writes into it in place."""
+    last: dict[int, int] = {}
+    for i, node in enumerate(graph.gm.graph.nodes):
+        if node.op == "call_function":
+            for target in mutated_args(node):
+                for sid in tensors.storages_of(target.name):
+                    last[sid] = i
+    return last
+
+
+def _inplace_units(graph: CapturedGraph, tensors: Tensors, position: Mapping[str, int],
+                   last_write: Mapping[int, int]) -> dict[str, tuple[str, ...]]:
+    """In-place units: a storage the forward creates and then writes in place before anyone else reads it.
+
+    Such a storage can be recomputed as a whole: replay its creator and its writers, in order, on a fresh
+    storage (``nn.LSTMCell``'s gate buffer: ``addmm``, ``add_``, then ``sigmoid_``/``tanh_`` on slices).
+    Conditions: every member (node aliasing it) is in the forward and aliases nothing else, the creator
+    is a single tensor, and every forward node outside the unit that reads it does so after the last
+    write (so the copies' final state is what every reader saw).
+    """
+    by_name = {n.name: n for n in graph.gm.graph.nodes}
+    units: dict[str, tuple[str, ...]] = {}
+    for sid, storage in tensors.storages.items():
+        if storage.external or sid not in last_write or graph.phases.get(storage.creator) is not Phase.FORWARD:
+            continue
+        members = storage.members
+        if any(graph.phases.get(m) is not Phase.FORWARD for m in members if by_name[m].op == "call_function"
+               and any(sid in tensors.storages_of(t.name) for t in mutated_args(by_name[m]))):
+            continue  # a backward write
+        members = tuple(m for m in members if graph.phases.get(m) is Phase.FORWARD)
+        if not isinstance(by_name[members[0]].meta.get("val"), torch.Tensor):
+            continue
+        if any(set(tensors.storages_of(m)) != {sid} for m in members):
+            continue
+        if any(set(tensors.storages_of(t.name)) != {sid} for m in members for t in mutated_args(by_name[m])):
+            continue
+        inside = set(members)
+        last = max(position[m] for m in members if mutated_args(by_name[m]))
+        ok = True
+        for member in members:
+            for user in by_name[member].users:
+                if user.name in inside or graph.phases.get(user.name) is not Phase.FORWARD:
+                    continue
+                if position[user.name] < last or not isinstance(by_name[member].meta.get("val"), torch.Tensor):
+                    ok = False
+        if ok:
+            for member in members:
+                units[member] = members
+    return units
+
+
+def _output_storages(graph: CapturedGraph, tensors: Tensors) -> frozenset[int]:
+    output = next(n for n in reversed(graph.gm.graph.nodes) if n.op == "output")
+    kept = set()
+    for arg in output.all_input_nodes:
+        kept.update(tensors.storages_of(arg.name))
+    return frozenset(kept)
+
+
+def _why_not_recomputable(node: torch.fx.Node, position: int, tensors: Tensors, last_write: Mapping[int, int],
+                          in_unit: bool = False) -> str | None:
+    if not (isinstance(node.target, torch._ops.OpOverload) or node.target is operator.getitem):
+        return "not an aten operator"
+    if is_random(node):
+        return "draws from the RNG"
+    if mutated_args(node) and not in_unit:
+        return "writes in place"
+    if "val" not in node.meta:
+        return "no fake value"
+    touched = set(tensors.storages_of(node.name))
+    for arg in node.all_input_nodes:
+        touched.update(tensors.storages_of(arg.name))
+    if any(last_write.get(sid, -1) > position for sid in touched):
+        return "reads or is a storage that an op writes in place afterwards"
+    return None
+
+
+def _view_of(node: torch.fx.Node, tensors: Tensors) -> str | None:
+    """The single input that ``node`` is a view of (it creates no storage and aliases only that input)."""
+    args = node.all_input_nodes
+    if len(args) != 1 or not _is_view(node, tensors):
+        return None
+    if set(tensors.storages_of(node.name)) <= set(tensors.storages_of(args[0].name)):
+        return args[0].name
+    return None
+
+
+def _save_bytes(node: torch.fx.Node, tensors: Tensors, kept: frozenset[int]) -> int:
+    total = 0
+    for sid in sorted(set(tensors.storages_of(node.name))):
+        storage = tensors.storages[sid]
+        if not storage.external and sid not in kept:
+            total += storage.nbytes
+    return total
+
+
+def _signature(node: torch.fx.Node) -> str:
+    """``"mm(16x64,64x128)"``: the op and the shapes it reads."""
+    shapes = []
+    for arg in node.args:
+        value = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+        if isinstance(value, torch.Tensor):
+            shapes.append("x".join(str(int(d)) for d in value.shape))
+    return f"{packet_name(node) or node.op}({','.join(shapes)})"
+
+
+def _numel(value: Any) -> int:
+    return int(value.numel()) if isinstance(value, torch.Tensor) else 0
+
+
+def node_flops(node: torch.fx.Node, tensors: Tensors | None = None) -> int:
+    """Estimated FLOPs of one node, from the shapes of its fake values.
+
+    Matrix products count ``2*m*n*k`` (plus the bias), convolutions ``2 * output elements * input
+    channels per group * kernel size``, attention ``4*b*h*l*s*e``; views and ``getitem`` count 0;
+    memory movement (``clone``, ``cat``, factories) counts 0; every other op counts the elements it
+    reads or writes, whichever is more (pointwise ops and reductions).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from memplan.capture import capture
+    >>> g = capture(lambda a, b: (a @ b).relu(), torch.randn(4, 8), torch.randn(8, 2), train=False)
+    >>> [(n.name, node_flops(n)) for n in g.gm.graph.nodes if n.op == "call_function"]
+    [('mm', 128), ('relu', 8)]
+    """
+    if node.op != "call_function" or node.target is operator.getitem:
+        return 0
+    name = packet_name(node)
+    args = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
+    out = node.meta.get("val")
+    if tensors is not None and _is_view(node, tensors):
+        return 0
+    if name in ("mm", "matmul") and _shapes(args, 2):
+        (m, k), (_, n) = args[0].shape[-2:], args[1].shape[-2:]
+        return 2 * int(m) * int(k) * int(n) * max(1, _numel(out) // max(1, int(m) * int(n)))
+    if name in ("addmm", "_addmm_activation") and _shapes(args[1:], 2):
+        (m, k), (_, n) = args[1].shape, args[2].shape
+        return 2 * int(m) * int(k) * int(n) + int(m) * int(n)
+    if name in ("bmm", "baddbmm", "addbmm"):
+        a, b = (args[1], args[2]) if name != "bmm" else (args[0], args[1])
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            return 2 * _numel(a) * int(b.shape[-1])
+    convolutions = ("convolution", "_convolution", "cudnn_convolution", "mkldnn_convolution")
+    if name in convolutions and isinstance(out, torch.Tensor):
+        weight = args[1]
+        if isinstance(weight, torch.Tensor):
+            per_output = int(weight.shape[1]) * math.prod(int(s) for s in weight.shape[2:])
+            return 2 * _numel(out) * per_output
+    if name == "convolution_backward" and isinstance(args[2], torch.Tensor) and isinstance(args[0], torch.Tensor):
+        weight = args[2]
+        per_output = int(weight.shape[1]) * math.prod(int(s) for s in weight.shape[2:])
+        return 4 * _numel(args[0]) * per_output
+    if name.startswith("_scaled_dot_product") or name == "scaled_dot_product_attention":
+        q, k = args[0], args[1]
+        if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor):
+            return 4 * _numel(q) * int(k.shape[-2])
+    if name in _MOVE_OPS:
+        return 0
+    read = sum(_numel(a) for a in args if isinstance(a, torch.Tensor))
+    written = sum(_numel(v) for _, v in tensor_values(node))
+    return max(read, written)
+
+
+def _shapes(args: Sequence[Any], rank: int) -> bool:
+    return len(args) >= 2 and all(isinstance(a, torch.Tensor) and a.dim() >= rank for a in args[:2])
+
+
+def _is_view(node: torch.fx.Node, tensors: Tensors) -> bool:
+    """True when the node creates no storage: a view, an alias, or an in-place result."""
+    infos = tensors.tensors.get(node.name, ())
+    return bool(infos) and all(tensors.storages[i.storage].creator != node.name for i in infos)
+
+
+def graph_flops(graph: CapturedGraph, am: AnalysisManager | None = None) -> int:
+    """Estimated FLOPs of every ``call_function`` node of ``graph`` (see :func:`node_flops`)."""
+    tensors = (am or AnalysisManager(graph)).get(Tensors)
+    return sum(node_flops(n, tensors) for n in graph.gm.graph.nodes if n.op == "call_function")
+
+
+# ----------------------------------------------------------------------------------------------
+# Step 2: stack reads
+
+
+@dataclasses.dataclass(frozen=True)
+class StackRead:
+    """Backward reads of ``value`` served by a slice of the ``stack``/``cat`` node ``stack``.
+
+    ``index`` is the position along ``dim`` (stack) or the offset (cat, with ``length`` elements);
+    ``contiguous`` asks for a contiguous copy of the slice (its strides differ from the value's).
+    """
+
+    value: str
+    stack: str
+    dim: int
+    index: int
+    length: int | None
+    contiguous: bool
+
+
+def plan_stack_reads(graph: CapturedGraph, am: AnalysisManager) -> tuple[StackRead, ...]:
+    """Find backward reads of tensors that a kept ``stack``/``cat`` also holds (see the module docstring)."""
+    if not graph.training:
+        return ()
+    tensors = am.get(Tensors)
+    last_write = _last_writes(graph, tensors)
+    kept = _output_storages(graph, tensors)
+    reads: list[StackRead] = []
+    for position, node in enumerate(graph.gm.graph.nodes):
+        if graph.phases.get(node.name) is not Phase.FORWARD or packet_name(node) not in ("stack", "cat"):
+            continue
+        value = node.meta.get("val")
+        sids = set(tensors.storages_of(node.name))
+        written = {sid for sid, at in last_write.items() if at > position}
+        if not isinstance(value, torch.Tensor) or sids & written:
+            continue
+        read_later = any(graph.phases.get(u.name) is Phase.BACKWARD for u in node.users)
+        if not (sids & kept or read_later):
+            continue
+        parts = node.args[0]
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        dim = dim % value.dim()
+        offset = 0
+        for index, part in enumerate(parts):
+            if not isinstance(part, torch.fx.Node):
+                break
+            part_value = part.meta.get("val")
+            if not isinstance(part_value, torch.Tensor):
+                break
+            stacked = packet_name(node) == "stack"
+            length = None if stacked else int(part_value.shape[dim]) if part_value.dim() == value.dim() else None
+            start = index if stacked else offset
+            if not stacked:
+                if length is None:
+                    break  # a legacy empty 1-d part: offsets no longer follow
+                offset += length
+            read = _stack_read(node, value, part, part_value, dim, start, length, tensors, written)
+            if read is None:
+                continue
+            for alias in _identity_aliases(part, graph):
+                if alias is part or any(graph.phases.get(u.name) is Phase.BACKWARD for u in alias.users):
+                    reads.append(dataclasses.replace(read, value=alias.name))
+    return tuple(reads)
+
+
+def _stack_read(node, value, part, part_value, dim, start, length, tensors, written) -> StackRead | None:
+    if part_value.dtype != value.dtype or set(tensors.storages_of(part.name)) & written:
+        return None
+    if length is None:
+        sliced = fake_value(torch.ops.aten.select.int, (node, dim, start))
+    else:
+        sliced = fake_value(torch.ops.aten.slice.Tensor, (node, dim, start, start + length))
+    if tuple(sliced.shape) != tuple(part_value.shape):
+        return None
+    if sliced.stride() == part_value.stride() or part_value.numel() <= 1:
+        contiguous = False
+    elif part_value.is_contiguous():
+        contiguous = True
+    else:
+        return None
+    return StackRead(part.name, node.name, dim, start, length, contiguous)
+
+
+def _identity_aliases(node: torch.fx.Node, graph: CapturedGraph) -> list[torch.fx.Node]:
+    """``node`` and the forward ``detach``/``alias`` chains hanging off it (same values, same layout)."""
+    found, stack = [], [node]
+    while stack:
+        current = stack.pop()
+        found.append(current)
+        for user in current.users:
+            if graph.phases.get(user.name) is Phase.FORWARD and packet_name(user) in ("detach", "alias"):
+                stack.append(user)
+    return sorted(found, key=lambda n: n.name)
+
+
+def apply_stack_reads(editor: GraphEditor, reads: Sequence[StackRead]) -> int:
+    """Insert the slices of ``reads`` before their first backward reader; return how many were made."""
+    graph = editor.graph
+    by_name = {n.name: n for n in graph.gm.graph.nodes}
+    position = {n.name: i for i, n in enumerate(graph.gm.graph.nodes)}
+    made = 0
+    for read in reads:
+        value, stack = by_name[read.value], by_name[read.stack]
+        readers = sorted((u for u in value.users if editor.phases.get(u.name) is Phase.BACKWARD),
+                         key=lambda u: position[u.name])
+        if not readers:
+            continue
+        first = readers[0]
+        if read.length is None:
+            sliced = editor.call(torch.ops.aten.select.int, (stack, read.dim, read.index), like=value,
+                                 phase=Phase.BACKWARD, before=first)
+        else:
+            sliced = editor.call(torch.ops.aten.slice.Tensor, (stack, read.dim, read.index, read.index + read.length),
+                                 like=value, phase=Phase.BACKWARD, before=first)
+        if read.contiguous:
+            sliced = editor.call(torch.ops.aten.clone.default, (sliced,), {"memory_format": torch.contiguous_format},
+                                 like=value, phase=Phase.BACKWARD, before=first)
+        for reader in readers:
+            retarget(reader, value, sliced)
+        made += 1
+    return made
+
+
+def retarget(reader: torch.fx.Node, old: torch.fx.Node, new: torch.fx.Node) -> None:
+    """Make ``reader`` read ``new`` instead of ``old``, and refresh the fake values of views of ``old``.
+
+    A view's fake value shares its input's storage; ``reader`` (or a view of it further down) that was
+    a view of ``old`` must now be a view of ``new``, or the storage analysis would keep ``old`` alive.
+    """
+    reader.replace_input_with(old, new)
+    olds, news = tensor_values(old), tensor_values(new)
+    stale = {StorageWeakRef(v.untyped_storage()) for _, v in olds}
+    same_layout = len(olds) == len(news) and all(_same_geometry(a, b) for (_, a), (_, b) in zip(olds, news))
+    storage_of = {StorageWeakRef(a.untyped_storage()): b.untyped_storage() for (_, a), (_, b) in zip(olds, news)}
+    stack = [reader]
+    while stack:
+        node = stack.pop()
+        if node.op != "call_function":
+            continue
+        if not any(StorageWeakRef(v.untyped_storage()) in stale for _, v in tensor_values(node)):
+            continue
+        rebuilt = _rebuilt(node.meta.get("val"), storage_of) if same_layout else None
+        node.meta["val"] = rebuilt if rebuilt is not None else fake_value(node.target, node.args, node.kwargs)
+        stack.extend(node.users)
+
+
+def _same_geometry(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.shape == b.shape and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
+            and a.dtype == b.dtype and a.untyped_storage().nbytes() == b.untyped_storage().nbytes())
+
+
+def _rebuilt(value: Any, storage_of: dict[StorageWeakRef, Any]) -> Any:
+    """``value`` with the same metadata on other storages: ``storage_of`` maps an old storage to its new
+    one; a storage not in it gets a fresh one (shared by every tensor of ``value`` that had it).
+
+    This is the fake value of a copy of a node whose arguments have the layout of the original's: the
+    op would produce the same metadata, and alias the arguments it aliased before. Building it directly
+    is about ten times faster than running the op under the fake mode, which matters when a schedule
+    copies tens of thousands of nodes. Returns None when ``value`` holds something else than fake tensors.
+    """
+    def convert(tensor: Any) -> Any:
+        mode = getattr(tensor, "fake_mode", None)
+        if mode is None:
+            raise _NotFake
+        key = StorageWeakRef(tensor.untyped_storage())
+        storage = storage_of.get(key)
+        if storage is None:
+            storage = storage_of[key] = torch.UntypedStorage(tensor.untyped_storage().nbytes(), device="meta")
+        meta = torch.empty(0, dtype=tensor.dtype, device="meta").set_(
+            storage, tensor.storage_offset(), tensor.shape, tensor.stride()
+        )
+        return FakeTensor(mode, meta, tensor.device)
+
+    try:
+        if isinstance(value, torch.Tensor):
+            return convert(value)
+        if isinstance(value, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in value):
+            return type(value)(convert(v) for v in value)
+    except (_NotFake, RuntimeError):
+        return None
+    return None
+
+
+class _NotFake(Exception):
+    """A value that is not a fake tensor (the slow path is taken)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# plans and where copies go
+
+
+@dataclasses.dataclass(frozen=True)
+class RecomputeGroup:
+    """Forward nodes recomputed together for some backward nodes.
+
+    Attributes
+    ----------
+    nodes : frozenset of str
+        Forward nodes this group may copy into the backward; only those its consumers need are copied,
+        and never one that cannot be recomputed (it is read from the saved original instead).
+    serves : frozenset of str or None
+        Backward nodes whose reads go through this group (None: every backward node).
+    parent : int or None
+        Index, in the plan, of the enclosing group: a copy here reads the parent's copy of a value
+        outside this group before falling back to the original.
+    label : str
+        For reports, e.g. ``"steps 8-15"``.
+    """
+
+    nodes: frozenset[str]
+    serves: frozenset[str] | None = None
+    parent: int | None = None
+    label: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyPlan:
+    """Where each copy goes: the output of :func:`plan_copies`, pure names and positions.
+
+    ``copies`` lists ``(group, node)`` in creation order (inputs before their readers); ``sources`` maps
+    each copy's inputs to the group whose copy it reads (None: the original); ``anchors`` is the graph
+    position of the original backward node each copy is inserted before; ``reads`` maps backward nodes
+    to the forward values they read through a copy; ``units`` lists the in-place units copied whole
+    (member -> all members, creator first; a member is read through its unit's copy, keyed by the creator).
+    """
+
+    copies: tuple[tuple[int, str], ...]
+    sources: Mapping[tuple[int, str], Mapping[str, int | None]]
+    anchors: Mapping[tuple[int, str], int]
+    reads: Mapping[str, Mapping[str, int]]
+    units: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # member -> its copied unit
+
+    @property
+    def recomputed(self) -> tuple[str, ...]:
+        """Names of the forward nodes that get at least one copy, sorted."""
+        return tuple(sorted({m for _, name in self.copies for m in self.units.get(name, (name,))}))
+
+    def root(self, name: str) -> str:
+        """The copy key of a forward node: itself, or the creator of its in-place unit."""
+        unit = self.units.get(name)
+        return unit[0] if unit is not None else name
+
+    def originals_read(self) -> frozenset[str]:
+        """Forward nodes the copies read as originals (they stay saved)."""
+        found = set()
+        for sources in self.sources.values():
+            found.update(name for name, group in sources.items() if group is None)
+        return frozenset(found)
+
+
+def _backward_reads(graph: CapturedGraph) -> list[tuple[str, int, tuple[str, ...]]]:
+    """``(backward node, position, forward nodes it reads)`` in graph order."""
+    rows = []
+    for i, node in enumerate(graph.gm.graph.nodes):
+        if node.op == "call_function" and graph.phases.get(node.name) is Phase.BACKWARD:
+            forward = tuple(
+                a.name for a in node.all_input_nodes
+                if graph.phases.get(a.name) is Phase.FORWARD
+            )
+            if forward:
+                rows.append((node.name, i, forward))
+    return rows
+
+
+def plan_copies(
+    groups: Sequence[RecomputeGroup],
+    *,
+    inputs: Mapping[str, tuple[str, ...]],
+    backward: Sequence[tuple[str, int, tuple[str, ...]]],
+    units: Mapping[str, tuple[str, ...]] | None = None,
+) -> CopyPlan:
+    """Decide which copies a plan makes and where each goes (see "Apply" in the module docstring).
+
+    Parameters
+    ----------
+    groups : sequence of RecomputeGroup
+        Parents come before their children; their nodes may all be copied.
+    inputs : mapping
+        Forward node -> the nodes it reads.
+    backward : sequence
+        ``(name, position, forward nodes read)`` per backward node, in graph order.
+    units : mapping, optional
+        In-place units (member -> all members, creator first): a unit is copied whole, as one copy keyed
+        by its creator, and its members are read through it.
+    """
+    units = dict(units or {})
+    depth: list[int] = []
+    for i, group in enumerate(groups):
+        if group.parent is not None and not 0 <= group.parent < i:
+            raise ValueError(f"group {i} names parent {group.parent}; parents must come first")
+        depth.append(0 if group.parent is None else depth[group.parent] + 1)
+    owner: dict[str, int] = {}
+    default: int | None = None
+    for i in sorted(range(len(groups)), key=lambda g: (depth[g], g)):
+        if groups[i].serves is None:
+            default = i
+        else:
+            for name in groups[i].serves:
+                owner[name] = i
+
+    def root(name: str) -> str:
+        unit = units.get(name)
+        return unit[0] if unit is not None else name
+
+    def copy_inputs(name: str) -> tuple[str, ...]:
+        unit = units.get(name)
+        if unit is None:
+            return inputs.get(name, ())
+        inside = set(unit)
+        return tuple(dict.fromkeys(a for m in unit for a in inputs.get(m, ()) if a not in inside))
+
+    def holder(group: int | None, name: str) -> int | None:
+        while group is not None:
+            if name in groups[group].nodes:
+                return group
+            group = groups[group].parent
+        return None
+
+    done: set[tuple[int, str]] = set()
+    order: list[tuple[int, str]] = []
+    sources: dict[tuple[int, str], dict[str, int | None]] = {}
+
+    def ensure(key: tuple[int, str]) -> None:
+        stack = [key]
+        while stack:
+            current = stack[-1]
+            if current in done:
+                stack.pop()
+                continue
+            group, name = current
+            pending = []
+            resolved = {}
+            for arg in copy_inputs(name):
+                held = holder(group, arg)
+                resolved[arg] = held
+                if held is not None and (held, root(arg)) not in done:
+                    pending.append((held, root(arg)))
+            if pending:
+                stack.extend(pending)
+                continue
+            stack.pop()
+            done.add(current)
+            order.append(current)
+            sources[current] = resolved
+
+    reads: dict[str, dict[str, int]] = {}
+    readers: dict[tuple[int, str], int] = {}
+    for name, position, forward in backward:
+        group = owner.get(name, default)
+        if group is None:
+            continue
+        for value in forward:
+            held = holder(group, value)
+            if held is None:
+                continue
+            key = (held, root(value))
+            ensure(key)
+            reads.setdefault(name, {})[value] = held
+            readers[key] = min(readers.get(key, position), position)
+    anchors: dict[tuple[int, str], int] = {}
+    for key in reversed(order):
+        if key in readers:
+            anchors[key] = min(anchors.get(key, readers[key]), readers[key])
+        anchor = anchors[key]
+        for arg, held in sources[key].items():
+            if held is not None:
+                source = (held, root(arg))
+                anchors[source] = min(anchors.get(source, anchor), anchor)
+    return CopyPlan(
+        copies=tuple(order),
+        sources={k: dict(v) for k, v in sources.items()},
+        anchors=anchors,
+        reads={k: dict(v) for k, v in reads.items()},
+        units={m: units[r] for _, r in order if r in units for m in units[r]},
+    )
+
+
+def _insert(editor: GraphEditor, node: torch.fx.Node, like: torch.fx.Node) -> None:
+    """Record a node inserted by hand: backward phase, and the source and sequence number of ``like``."""
+    editor.phases[node.name] = Phase.BACKWARD
+    if like.name in editor.sources:
+        editor.sources[node.name] = editor.sources[like.name]
+    if like.name in editor.seq_nr:
+        editor.seq_nr[node.name] = editor.seq_nr[like.name]
+    editor.changed = True
+
+
+def _copy_node(editor: GraphEditor, node: torch.fx.Node, remap: Callable[[torch.fx.Node], torch.fx.Node],
+               before: torch.fx.Node) -> torch.fx.Node:
+    """A copy of ``node`` in the backward, before ``before``, with its arguments remapped.
+
+    Its fake value is the original's metadata on the storages of the remapped arguments (see
+    :func:`_rebuilt`); when that does not apply (no fake tensors), the op runs under the fake mode.
+    """
+    mapping: dict[torch.fx.Node, torch.fx.Node] = {}
+
+    def record(arg: torch.fx.Node) -> torch.fx.Node:
+        mapping[arg] = remap(arg)
+        return mapping[arg]
+
+    with editor.gm.graph.inserting_before(before):
+        new = editor.gm.graph.node_copy(node, record)
+    storage_of: dict[StorageWeakRef, Any] = {}
+    geometry_kept = True
+    for old, replacement in mapping.items():
+        olds, news = tensor_values(old), tensor_values(replacement)
+        geometry_kept = geometry_kept and len(olds) == len(news) and all(
+            _same_geometry(a, b) for (_, a), (_, b) in zip(olds, news))
+        for (_, a), (_, b) in zip(olds, news):
+            storage_of[StorageWeakRef(a.untyped_storage())] = b.untyped_storage()
+    value = _rebuilt(node.meta.get("val"), storage_of) if geometry_kept else None
+    if value is None:
+        if new.all_input_nodes:
+            value = fake_value(new.target, new.args, new.kwargs)
+        else:
+            mode = next(v.fake_mode for _, v in tensor_values(node) if hasattr(v, "fake_mode"))
+            with mode:
+                value = new.target(*new.args, **new.kwargs)
+    new.meta = {"val": value}
+    _insert(editor, new, node)
+    return new
+
+
+def apply_recompute(editor: GraphEditor, copies: CopyPlan) -> dict[tuple[int, str], torch.fx.Node]:
+    """Insert the copies of ``copies`` and point the backward readers at them (edits ``editor``'s graph).
+
+    An in-place unit is replayed on a fresh storage: its creator, then each writer, every argument that
+    views the unit's storage taken as ``as_strided`` of the latest write, made just before it is read;
+    the members the consumers read are ``as_strided`` views made after the last write. So no node
+    defined before a write is read after it (the pipeline's alias check), and every reader sees the
+    final state, as in the forward.
+    """
+    nodes = list(editor.gm.graph.nodes)
+    by_name = {n.name: n for n in nodes}
+    position = {n.name: i for i, n in enumerate(nodes)}
+    last_writer: dict[StorageWeakRef, torch.fx.Node] = {}
+    for node in nodes:
+        if node.op == "call_function" and editor.phases.get(node.name) is Phase.FORWARD:
+            for target in mutated_args(node):
+                for _, value in tensor_values(target):
+                    last_writer[StorageWeakRef(value.untyped_storage())] = node
+    settled: dict[tuple[str, str], torch.fx.Node] = {}
+
+    def original(arg: torch.fx.Node, anchor: torch.fx.Node) -> torch.fx.Node:
+        """``arg`` itself, or a view of its storage made from the last write to it when ``arg`` was
+        defined before that write (a copy must not read through a node older than a write)."""
+        for _, value in tensor_values(arg):
+            writer = last_writer.get(StorageWeakRef(value.untyped_storage()))
+            later = writer is not None and position[writer.name] > position[arg.name]
+            if later and isinstance(arg.meta.get("val"), torch.Tensor):
+                key = (arg.name, anchor.name)
+                if key not in settled:
+                    settled[key] = _strided(editor, writer, arg, anchor)
+                return settled[key]
+        return arg
+
+    made: dict[tuple[int, str], torch.fx.Node] = {}
+    wanted: dict[tuple[int, str], set[str]] = {}
+    for key, sources in copies.sources.items():
+        for arg, held in sources.items():
+            if held is not None and arg in copies.units:
+                wanted.setdefault((held, copies.root(arg)), set()).add(arg)
+    for values in copies.reads.values():
+        for value, held in values.items():
+            if value in copies.units:
+                wanted.setdefault((held, copies.root(value)), set()).add(value)
+
+    for key in copies.copies:
+        group, name = key
+        sources = copies.sources[key]
+        anchor = nodes[copies.anchors[key]]
+
+        def remap(arg: torch.fx.Node, sources: Mapping[str, int | None] = sources,
+                  anchor: torch.fx.Node = anchor) -> torch.fx.Node:
+            held = sources.get(arg.name)
+            return original(arg, anchor) if held is None else made[(held, arg.name)]
+
+        if name not in copies.units:
+            made[key] = _copy_node(editor, by_name[name], remap, anchor)
+            continue
+        unit = copies.units[name]
+        inside = set(unit)
+        version = _copy_node(editor, by_name[unit[0]], remap, anchor)
+        for member in unit[1:]:
+            node = by_name[member]
+            if not mutated_args(node):
+                continue  # a view of the storage: made from the latest version when read
+
+            def remap_writer(arg: torch.fx.Node, version: torch.fx.Node = version) -> torch.fx.Node:
+                return _strided(editor, version, arg, anchor) if arg.name in inside else remap(arg)
+
+            version = _copy_node(editor, node, remap_writer, anchor)
+        for member in sorted(wanted.get(key, ()), key=unit.index):
+            made[(group, member)] = _strided(editor, version, by_name[member], anchor)
+    for reader, values in copies.reads.items():
+        node = by_name[reader]
+        for value, group in values.items():
+            retarget(node, by_name[value], made[(group, value)])
+    return made
+
+
+def _strided(editor: GraphEditor, version: torch.fx.Node, like: torch.fx.Node, before: torch.fx.Node) -> torch.fx.Node:
+    """``as_strided`` of ``version``'s storage with ``like``'s geometry, in the backward."""
+    value = like.meta["val"]
+    args = (version, [int(s) for s in value.shape], [int(s) for s in value.stride()], int(value.storage_offset()))
+    (_, base), *_ = tensor_values(version)
+    rebuilt = _rebuilt(value, {StorageWeakRef(value.untyped_storage()): base.untyped_storage()})
+    if rebuilt is None:
+        return editor.call(torch.ops.aten.as_strided.default, args, like=like, phase=Phase.BACKWARD, before=before)
+    with editor.gm.graph.inserting_before(before):
+        node = editor.gm.graph.call_function(torch.ops.aten.as_strided.default, args)
+    node.meta = {"val": rebuilt}
+    _insert(editor, node, like)
+    return node
+
+
+@dataclasses.dataclass(frozen=True)
+class RematPlan:
+    """A rematerialisation plan: stack reads, then recompute groups.
+
+    ``recomputed`` (forward nodes copied into the backward) and ``saved`` (forward nodes the backward
+    still reads) describe the plan's effect on the graph it was planned for.
+    """
+
+    label: str
+    stack_reads: tuple[StackRead, ...] = ()
+    groups: tuple[RecomputeGroup, ...] = ()
+    units: tuple[tuple[str, ...], ...] = ()  # in-place units among the groups' nodes (recomputed whole)
+    recomputed: tuple[str, ...] = ()
+    saved: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        lines = [f"remat plan {self.label!r}: {len(self.stack_reads)} stack reads, "
+                 f"{len(self.recomputed)} nodes recomputed, {len(self.saved)} tensors saved"]
+        if self.recomputed:
+            more = " ..." if len(self.recomputed) > 20 else ""
+            lines.append("  recompute: " + ", ".join(self.recomputed[:20]) + more)
+        return "\n".join(lines)
+
+    @property
+    def changes(self) -> bool:
+        return bool(self.stack_reads or self.recomputed)
+
+
+def apply_remat(graph: CapturedGraph, plan: RematPlan) -> CapturedGraph:
+    """Apply ``plan`` to ``graph`` (editing its fx graph in place) and return the updated graph."""
+    editor = GraphEditor(graph)
+    if plan.groups:
+        units = {m: unit for unit in plan.units for m in unit}
+        copies = plan_copies(plan.groups, inputs=_forward_inputs(graph), backward=_backward_reads(graph), units=units)
+        apply_recompute(editor, copies)
+    if plan.stack_reads:
+        apply_stack_reads(editor, plan.stack_reads)
+    return editor.finish()
+
+
+def _forward_inputs(graph: CapturedGraph) -> dict[str, tuple[str, ...]]:
+    return {
+        n.name: tuple(a.name for a in n.all_input_nodes)
+        for n in graph.gm.graph.nodes
+        if n.op == "call_function" and graph.phases.get(n.name) is Phase.FORWARD
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Step 3: cuts
+
+
+def _relevant(facts: RematFacts) -> list[str]:
+    """Forward nodes that are needed by the backward or are ancestors of one, in graph order."""
+    seen: set[str] = set()
+    stack = list(facts.needed)
+    while stack:
+        name = stack.pop()
+        if name in seen or name not in facts.nodes:
+            continue
+        seen.add(name)
+        stack.extend(facts.inputs.get(name, ()))
+    return sorted(seen, key=lambda n: facts.nodes[n].position)
+
+
+def min_cut(facts: RematFacts, *, price: float | None, banned: frozenset[str] = frozenset()) -> frozenset[str]:
+    """The forward nodes a minimum cut recomputes.
+
+    Parameters
+    ----------
+    facts : RematFacts
+    price : float or None
+        None: AOTAutograd's cut (expensive ops banned, every other recomputable op free). Otherwise the
+        price of one FLOP in bytes: recomputing ``v`` costs ``price * FLOPs(v)``.
+    banned : frozenset of str
+        Nodes that must not be recomputed (saved if the backward needs them).
+
+    Returns
+    -------
+    frozenset of str
+        Recomputable nodes on the sink side of the cut (those the backward needs, transitively, are
+        copied; the rest are never made).
+    """
+    import networkx as nx
+
+    # Nodes free to save (inputs, views of them, tensors an output keeps) stay out of the network: they
+    # are always available and never recomputed. A node that cannot be recomputed is only its "out"
+    # half, fed from the source through its saving cost.
+    # A view is merged into the tensor it views: saving either keeps the same storage, and recomputing
+    # a view costs nothing, so the two are one node of the network (half the nodes of a typical graph).
+    source, sink = "source", "sink"
+    edges: list[tuple[Any, Any, dict[str, int]]] = []
+    infinite: dict[str, int] = {}
+    recomputable: list[str] = []
+    relevant = _relevant(facts)
+    rep = _representatives(facts, relevant)
+    members: dict[str, list[str]] = {}
+    for name in relevant:
+        members.setdefault(rep[name], []).append(name)
+    for name, group in members.items():
+        fact = facts.nodes[name]
+        if fact.save_bytes == 0:
+            continue
+        fixed = not fact.recomputable or name in banned or (price is None and fact.expensive)
+        save = {"capacity": fact.save_bytes} if fact.saveable else infinite
+        if fixed:
+            if fact.saveable:
+                edges.append((source, (name, 1), save))
+        else:
+            recomputable.append(name)
+            edges.append(((name, 0), (name, 1), save))
+            cost = 0 if price is None else int(round(price * sum(facts.nodes[m].flops for m in group)))
+            if cost > 0:
+                edges.append((source, (name, 0), {"capacity": cost}))
+            for member in group:
+                for arg in facts.inputs.get(member, ()):
+                    head = rep.get(arg)
+                    if head is not None and head != name and facts.nodes[head].save_bytes > 0:
+                        edges.append(((head, 1), (name, 0), infinite))  # no capacity: infinite
+        if any(facts.nodes[m].first_reader is not None for m in group):
+            edges.append(((name, 1), sink, infinite))
+    if not recomputable:
+        return frozenset()
+    network = nx.DiGraph()
+    network.add_nodes_from((source, sink))
+    network.add_edges_from(edges)
+    _, (reachable, _) = nx.minimum_cut(network, source, sink, flow_func=nx.algorithms.flow.boykov_kolmogorov)
+    return frozenset(m for name in recomputable if (name, 0) not in reachable for m in members[name]
+                     if facts.nodes[m].recomputable)
+
+
+def _representatives(facts: RematFacts, relevant: Sequence[str]) -> dict[str, str]:
+    """Node -> the node it is merged into in the cut network (itself, or what it views)."""
+    rep: dict[str, str] = {}
+    for name in relevant:
+        fact = facts.nodes[name]
+        if fact.unit is not None and fact.unit != name and fact.unit in rep:
+            rep[name] = rep[fact.unit]  # an in-place unit is recomputed whole: one node
+            continue
+        base = fact.view_of
+        head = rep.get(base) if base is not None else None
+        mergeable = head is not None and facts.nodes[head].saveable
+        if mergeable and (fact.recomputable or not facts.nodes[head].recomputable):
+            rep[name] = head
+        else:
+            rep[name] = name
+    return rep
+
+
+# ----------------------------------------------------------------------------------------------
+# Step 4: hoisting repair
+
+
+def hoisted(facts: RematFacts, recompute: frozenset[str], limit: int,
+            users: Mapping[str, tuple[str, ...]]) -> frozenset[str]:
+    """Nodes to save instead, so that no copy goes more than ``limit`` positions before its own reader.
+
+    Scans the recomputed nodes from the last forward node back. ``placed[v]`` is where the copy of ``v``
+    goes: before its earliest consumer (its own first backward reader, or a copy that reads it). A node
+    whose copy would be placed more than ``limit`` positions before its own first reader is saved
+    instead, and then consumes nothing, which moves its ancestors' copies later.
+    """
+    placed: dict[str, int | None] = {}
+    ban: set[str] = set()
+    for name in sorted(recompute, key=lambda n: -facts.nodes[n].position):
+        own = facts.nodes[name].first_reader
+        times = [placed[u] for u in users.get(name, ()) if placed.get(u) is not None]
+        if own is not None:
+            times.append(own)
+        at = min(times) if times else None
+        if own is not None and at is not None and own - at > limit:
+            ban.add(name)
+            placed[name] = None
+        else:
+            placed[name] = at
+    return frozenset(ban)
+
+
+def _forward_users(facts: RematFacts) -> dict[str, tuple[str, ...]]:
+    users: dict[str, list[str]] = {}
+    for name, args in facts.inputs.items():
+        for arg in args:
+            users.setdefault(arg, []).append(name)
+    return {k: tuple(v) for k, v in users.items()}
+
+
+class _Cuts:
+    """Memoised cuts of one graph: plain, repaired for hoisting, and swept over prices."""
+
+    def __init__(self, facts: RematFacts, rounds: int = 4):
+        self.facts = facts
+        self.users = _forward_users(facts)
+        self.rounds = rounds
+        self.memo: dict[tuple[float | None, frozenset[str]], frozenset[str]] = {}
+
+    def cut(self, price: float | None, banned: frozenset[str] = frozenset()) -> frozenset[str]:
+        key = (price, banned)
+        if key not in self.memo:
+            self.memo[key] = min_cut(self.facts, price=price, banned=banned)
+        return self.memo[key]
+
+    def repaired(self, price: float | None, limit: int) -> frozenset[str]:
+        """The cut at ``price`` with hoisted nodes saved instead, re-cut until no copy is hoisted."""
+        banned: frozenset[str] = frozenset()
+        recompute = self.cut(price)
+        for _ in range(self.rounds):
+            more = hoisted(self.facts, recompute, limit, self.users) - banned
+            if not more:
+                break
+            banned |= more
+            recompute = self.cut(price, banned)
+        return recompute
+
+    def sweep(self, low: float, high: float, depth: int) -> list[float]:
+        """Prices from ``low`` to ``high`` (bytes per FLOP), bisected geometrically where the cut changes.
+
+        The sink side of a priced cut only grows as the price falls (a parametric min cut), so an
+        interval whose two ends cut alike holds no other cut and is not split further.
+        """
+        points = {low: self.cut(low), high: self.cut(high)}
+
+        def refine(a: float, b: float, depth: int) -> None:
+            if depth == 0 or points[a] == points[b]:
+                return
+            middle = math.sqrt(a * b)
+            points[middle] = self.cut(middle)
+            refine(a, middle, depth - 1)
+            refine(middle, b, depth - 1)
+
+        refine(low, high, depth)
+        return sorted(points)
+
+
+def _cut_sets(facts: RematFacts, options: RematOptions) -> list[tuple[str, frozenset[str]]]:
+    """``(label, recompute set)`` of every cut tried (see stages 3 and 4), duplicates included."""
+    cuts = _Cuts(facts)
+    scale = facts.saved_bytes() / max(1, facts.forward_flops)
+    low, high = options.price_range
+    depth = options.price_depth if len(facts.nodes) <= options.max_nodes else 0
+    found: list[tuple[str, frozenset[str]]] = []
+    prices = cuts.sweep(low * scale, high * scale, depth) if scale > 0 else []
+    for price in [None] + prices:
+        label = "aot" if price is None else f"price {price / scale:.3g}"
+        found.append((label, cuts.cut(price)))
+        for limit in options.hoist_limits:
+            found.append((f"{label}, hoist <= {limit}", cuts.repaired(price, limit)))
+    # The knapsack part: the priced cuts only find the convex hull of the trade-off, so also try
+    # keeping whole classes of expensive ops saved (all ``mm(x_t, W)`` of a loop are one class).
+    if scale > 0:
+        for names, banned in _ban_sets(facts, options.max_ban_classes):
+            found.append((f"save {names}", cuts.cut(low * scale, banned)))
+    return found
+
+
+def _ban_sets(facts: RematFacts, exhaustive: int) -> list[tuple[str, frozenset[str]]]:
+    """Sets of expensive-op classes to keep saved: every subset of up to ``exhaustive`` classes, else
+    growing prefixes of the classes sorted by FLOPs (most expensive first)."""
+    classes: dict[str, list[str]] = {}
+    flops: dict[str, int] = {}
+    for name in _relevant(facts):
+        fact = facts.nodes[name]
+        if fact.expensive and fact.recomputable and fact.save_bytes > 0:
+            classes.setdefault(fact.signature, []).append(name)
+            flops[fact.signature] = flops.get(fact.signature, 0) + fact.flops
+    keys = sorted(classes, key=lambda k: (-flops[k], k))
+    if len(keys) <= exhaustive:
+        subsets = [c for r in range(1, len(keys)) for c in itertools.combinations(keys, r)]
+    else:
+        subsets = [tuple(keys[:r]) for r in range(1, len(keys))]
+    return [("+".join(sub), frozenset(n for k in sub for n in classes[k])) for sub in subsets]
+
+
+# ----------------------------------------------------------------------------------------------
+# Step 5: candidates, simulated without building them
+
+
+def step_margin(graph: CapturedGraph) -> int:
+    """Bytes a training step allocates outside the captured graph: its loss and the loss's gradient.
+
+    The graph takes the gradients of its outputs as inputs (tangents). A step such as
+    ``memplan.steps.step_fn`` (``sum(out.sum()).backward()``) also allocates, during the call, each
+    output's ``sum`` and the seed gradient that ``backward`` expands to the output's shape (one element
+    each). Budgets are bytes allocated during a step as ``memplan.measure`` reports them, so candidates
+    are compared with the budget including these. A user whose loss allocates more (a cross-entropy
+    over the outputs outside the model) should leave that much room in the budget.
+
+    Examples
+    --------
+    >>> import torch, dataclasses
+    >>> from memplan.capture import capture
+    >>> step_margin(capture(torch.nn.Linear(4, 4), torch.randn(2, 4), seed="tangents"))
+    8
+    """
+    margin = 0
+    for spec in graph.inputs:
+        if spec.kind == "tangent":
+            value = graph.node(spec.node).meta.get("val")
+            if isinstance(value, torch.Tensor):
+                margin += 2 * value.element_size()
+    return margin
+
+
+class VirtualSimulation:
+    """The peak a graph reaches after stack reads and copies, computed without editing the graph.
+
+    Same model as :class:`~memplan.analysis.peak.PeakSimulation` under graph lifetimes: a storage is
+    allocated by the node that creates it and freed after the last node that reads any tensor aliasing
+    it; storages aliased by graph outputs stay to the end; external storages never count. A copy creates
+    storages of the same sizes as its original's and aliases whatever its inputs resolve to, so the peak
+    equals the simulated peak of the applied graph (the tests check it) at the cost of one linear sweep,
+    with no fake-tensor propagation and no code generation.
+
+    Examples
+    --------
+    >>> import torch, dataclasses
+    >>> from memplan.capture import capture
+    >>> from memplan.analysis.peak import PeakSimulation
+    >>> g = dataclasses.replace(capture(torch.nn.Linear(4, 4), torch.randn(2, 4)), lifetimes="graph")
+    >>> am = AnalysisManager(g)
+    >>> VirtualSimulation(g, am).peak() == am.get(PeakSimulation).peak
+    True
+    """
+
+    def __init__(self, graph: CapturedGraph, am: AnalysisManager):
+        tensors = am.get(Tensors)
+        nodes = list(graph.gm.graph.nodes)
+        self.names = tuple(n.name for n in nodes)  # copy anchors index this (all nodes, graph order)
+        self.order = tuple(n.name for n in nodes if n.op not in ("placeholder", "get_attr", "output"))
+        self.position = {name: i for i, name in enumerate(self.order)}
+        self.inputs = {n.name: tuple(a.name for a in n.all_input_nodes) for n in nodes if n.op == "call_function"}
+        self.aliases = {n.name: tuple(dict.fromkeys(tensors.storages_of(n.name))) for n in nodes}
+        self.value_bytes = {n.name: tensors.info(n.name).nbytes for n in nodes if tensors.info(n.name) is not None}
+        self.storages = tensors.storages
+        output = next(n for n in reversed(nodes) if n.op == "output")
+        self.outputs = tuple(a.name for a in output.all_input_nodes)
+        self.backward_users = {
+            n.name: tuple(u.name for u in n.users if graph.phases.get(u.name) is Phase.BACKWARD) for n in nodes
+        }
+        self.next_id = max(self.storages, default=-1) + 1
+        self.margin = step_margin(graph)
+
+    def step_peak(self, reads: Sequence[StackRead] = (), copies: CopyPlan | None = None) -> int:
+        """:meth:`peak` plus :func:`step_margin`: the peak ``memplan.measure`` reports for a training step."""
+        return self.peak(reads, copies) + self.margin
+
+    def peak(self, reads: Sequence[StackRead] = (), copies: CopyPlan | None = None) -> int:
+        """Peak bytes of the graph with ``reads`` and ``copies`` applied (both planned on this graph)."""
+        return max(self.timeline(reads, copies), default=0)
+
+    def timeline(self, reads: Sequence[StackRead] = (), copies: CopyPlan | None = None) -> list[int]:
+        """Bytes live right after each node of the applied graph (``SimEvent.live``), in its order."""
+        # Where each new node goes: copies before their anchor node (creation order), then each slice
+        # of a stack read before the first backward node or copy that reads its value.
+        before: dict[tuple[str, Any], list[tuple[str, Any]]] = {}
+        if copies is not None:
+            for key in copies.copies:
+                before.setdefault(("o", self.names[copies.anchors[key]]), []).append(("c", key))
+        sequence: list[tuple[str, Any]] = []
+        for name in self.order:
+            sequence.extend(before.get(("o", name), ()))
+            sequence.append(("o", name))
+        redirect: dict[tuple[tuple[str, Any], str], int] = {}
+        if reads:
+            index = {item: i for i, item in enumerate(sequence)}
+            copy_readers: dict[str, list[tuple[str, Any]]] = {}
+            for key, sources in (copies.sources.items() if copies is not None else ()):
+                for arg, held in sources.items():
+                    if held is None:
+                        copy_readers.setdefault(arg, []).append(("c", key))
+            slices: dict[tuple[str, Any], list[tuple[str, Any]]] = {}
+            for i, read in enumerate(reads):
+                via = [("o", r) for r in self.backward_users[read.value]
+                       if copies is None or read.value not in copies.reads.get(r, {})]
+                readers = via + copy_readers.get(read.value, [])
+                if not readers:
+                    continue
+                slices.setdefault(min(readers, key=index.__getitem__), []).append(("s", i))
+                for reader in readers:
+                    redirect[(reader, read.value)] = i
+            sequence = [new for item in sequence for new in (*slices.get(item, ()), item)]
+
+        created: dict[int, int] = {}  # new storage id -> bytes
+        maps: dict[tuple[str, Any], dict[int, int] | None] = {}  # item -> {storage of its node: storage it has}
+
+        def new_storage(nbytes: int) -> int:
+            sid = self.next_id + len(created)
+            created[sid] = nbytes
+            return sid
+
+        units = copies.units if copies is not None else {}
+
+        def root(name: str) -> str:
+            unit = units.get(name)
+            return unit[0] if unit is not None else name
+
+        def reads_of(item: tuple[str, Any]) -> list[tuple[str, Any]]:
+            kind, what = item
+            if kind == "s":
+                return [("o", reads[what].stack)]
+            if kind == "o":
+                via = copies.reads.get(what, {}) if copies is not None else {}
+                args = self.inputs.get(what, ())
+                out = [("c", (via[arg], root(arg))) if arg in via else ("o", arg) for arg in args]
+            else:
+                sources = copies.sources[what]
+                args = tuple(sources)  # a unit reads the outside inputs of all its members
+                out = [("o", arg) if sources.get(arg) is None else ("c", (sources[arg], root(arg))) for arg in args]
+            if redirect:
+                out = [("s", redirect[(item, arg)]) if (item, arg) in redirect else ref for arg, ref in zip(args, out)]
+            return out
+
+        def storage_map(item: tuple[str, Any]) -> dict[int, int] | None:
+            """How the item's storages differ from its original node's (None: not at all).
+
+            A node that creates a storage keeps it (a copy gets a new one of the same size); a view
+            aliases whatever the input it views now aliases, exactly as the applied graph's refreshed
+            fake values do.
+            """
+            if item in maps:
+                return maps[item]
+            kind, what = item
+            if kind == "s":
+                read = reads[what]
+                target = new_storage(self.value_bytes[read.value]) if read.contiguous else self.aliases[read.stack][0]
+                result: dict[int, int] | None = {sid: target for sid in self.aliases.get(read.value, ())}
+                maps[item] = result
+                return result
+            name = what if kind == "o" else what[1]
+            args = self.inputs.get(name, ()) if kind == "o" else tuple(copies.sources[what])
+            arg_items = reads_of(item)
+            mapping: dict[int, int] = {}
+            changed = False
+            for sid in self.aliases.get(name, ()):
+                target = sid
+                if self.storages[sid].creator == name:
+                    if kind == "c":
+                        target = new_storage(self.storages[sid].nbytes)
+                else:
+                    for arg, arg_item in zip(args, arg_items):
+                        if sid in self.aliases.get(arg, ()):
+                            arg_map = storage_map(arg_item)
+                            if arg_map is not None:
+                                target = arg_map.get(sid, sid)
+                            break
+                mapping[sid] = target
+                changed = changed or target != sid
+            result = mapping if changed else None
+            maps[item] = result
+            return result
+
+        def aliases_of(item: tuple[str, Any]) -> tuple[int, ...]:
+            kind, what = item
+            if kind == "s":
+                return tuple(dict.fromkeys(storage_map(item).values()))
+            name = what if kind == "o" else what[1]
+            mapping = storage_map(item)
+            base = self.aliases.get(name, ())
+            return base if mapping is None else tuple(dict.fromkeys(mapping[sid] for sid in base))
+
+        last: dict[int, int] = {}
+        born: dict[int, int] = {}
+        for index, item in enumerate(sequence):
+            kind, what = item
+            own = aliases_of(item)
+            for sid in own:
+                last[sid] = index
+                if sid in created:
+                    born.setdefault(sid, index)
+                elif kind == "o" and self.storages[sid].creator == what:
+                    born[sid] = index
+            for arg in reads_of(item):
+                for sid in aliases_of(arg):
+                    last[sid] = index
+        forever = {sid for name in self.outputs for sid in aliases_of(("o", name))}
+        allocate: dict[int, int] = {}
+        free: dict[int, int] = {}
+        for sid, index in born.items():
+            nbytes = created[sid] if sid in created else self.storages[sid].nbytes
+            if sid not in created and self.storages[sid].external:
+                continue
+            allocate[index] = allocate.get(index, 0) + nbytes
+            if sid not in forever:
+                free[last[sid]] = free.get(last[sid], 0) + nbytes
+        live, timeline = 0, []
+        for index in range(len(sequence)):
+            live += allocate.get(index, 0)
+            timeline.append(live)
+            live -= free.get(index, 0)
+        return timeline
+
+
+def _after_stack_reads(facts: RematFacts, reads: Sequence[StackRead]) -> RematFacts:
+    """Facts once ``reads`` are planned: their values are free to save, their stacks are never recomputed."""
+    nodes = dict(facts.nodes)
+    for read in reads:
+        nodes[read.value] = dataclasses.replace(nodes[read.value], save_bytes=0)
+        nodes[read.stack] = dataclasses.replace(nodes[read.stack], recomputable=False,
+                                                why_not="read back by stack reads")
+    return dataclasses.replace(facts, nodes=nodes)
+
+
+def plan_remat(
+    graph: CapturedGraph,
+    am: AnalysisManager,
+    policy: Policy,
+    options: RematOptions = RematOptions(),
+) -> tuple[Candidate[RematPlan], tuple[Candidate[RematPlan], ...]]:
+    """Every candidate plan with its simulated peak and overhead, and the one the policy chooses.
+
+    Raises
+    ------
+    InfeasibleBudgetError
+        When the policy has a budget that no candidate meets; it names the smallest reachable peak.
+    """
+    # Step 1: facts of the graph as given (its peak and compute are the reference).
+    simulation = VirtualSimulation(graph, am)
+    facts = RematFacts.compute(graph, am, options.ban_ops)
+    backward = _backward_reads(graph)
+    candidates = [Candidate(RematPlan("keep everything"), simulation.step_peak(), 0.0, "keep everything")]
+
+    # Step 2: stack reads; every later candidate starts from them.
+    reads = plan_stack_reads(graph, am)
+    facts = _after_stack_reads(facts, reads)
+    if reads:
+        plan = RematPlan("stack reads", stack_reads=reads, saved=tuple(facts.needed))
+        candidates.append(Candidate(plan, simulation.step_peak(reads), 0.0, plan.label))
+    inputs = _forward_inputs(graph)
+
+    # Steps 3-4: cuts, each repaired for hoisting; one candidate per distinct recompute set.
+    seen: set[frozenset[str]] = set()
+    for label, recompute in _cut_sets(facts, options):
+        if not recompute or recompute in seen:
+            continue
+        seen.add(recompute)
+        groups = (RecomputeGroup(recompute, label=label),)
+        copies = plan_copies(groups, inputs=inputs, backward=backward, units=facts.units)
+        if not copies.copies:
+            continue
+        extra = sum(facts.nodes[name].flops for _, name in copies.copies)
+        direct = {v for n, _, fw in backward for v in fw if v not in copies.reads.get(n, {})}
+        saved = sorted(copies.originals_read() | direct,
+                       key=lambda n: facts.nodes[n].position if n in facts.nodes else -1)
+        plan = RematPlan(label, stack_reads=reads, groups=groups, units=tuple(dict.fromkeys(copies.units.values())),
+                         recomputed=copies.recomputed, saved=tuple(saved))
+        # Step 5: simulate it.
+        peak = simulation.step_peak(reads, copies)
+        candidates.append(Candidate(plan, peak, extra / max(1, facts.total_flops), label))
+
+    # Step 6: the policy chooses among the candidates no other beats on both peak and overhead.
+    return policy.choose(_pareto(candidates)), tuple(candidates)
+
+
+def _pareto(candidates: Sequence[Candidate[RematPlan]]) -> list[Candidate[RematPlan]]:
+    """Drop candidates that another beats on both peak and overhead (ties kept: the policy breaks them)."""
+    kept = []
+    for c in candidates:
+        dominated = any(
+            (o.peak <= c.peak and o.overhead <= c.overhead) and (o.peak < c.peak or o.overhead < c.overhead)
+            for o in candidates
+        )
+        if not dominated:
+            kept.append(c)
+    return kept
+
+
+# ----------------------------------------------------------------------------------------------
+# the pass
+
+
+@register_pass("remat")
+def remat(graph: CapturedGraph, ctx: PassContext) -> PassResult:
+    """Recompute cheap forward tensors in the backward instead of saving them (see the module docstring)."""
+    if not graph.training:
+        return PassResult(graph, changed=False, notes=("inference graph: nothing is saved for backward",))
+    options = RematOptions.from_mapping(ctx.options)
+    chosen, candidates = plan_remat(graph, ctx.am, ctx.policy, options)
+    plan = chosen.plan
+    if not plan.changes:
+        return PassResult(graph, changed=False, plan=plan,
+                          notes=(f"kept every saved tensor ({len(candidates)} candidates considered)",))
+    before = candidates[0].peak
+    # Step 6 (end): apply the chosen plan to the graph itself.
+    result = apply_remat(graph, plan)
+    notes = (
+        f"{plan.label}: peak {format_bytes(before)} -> {format_bytes(chosen.peak)}, "
+        f"recompute +{chosen.overhead:.1%} ({len(plan.recomputed)} nodes), {len(candidates)} candidates",
+    )
+    stats = PassStats(nodes_rewritten=len(plan.recomputed) + len(plan.stack_reads),
+                      bytes_saved=before - chosen.peak, recompute_added=chosen.overhead)
+    return PassResult(result, changed=True, stats=stats, notes=notes, plan=plan)
