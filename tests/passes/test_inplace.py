@@ -16,7 +16,8 @@ from memplan.api import optimize
 from memplan.capture import capture
 from memplan.measure import measure
 from memplan.passes.inplace import InplacePlan, plan_inplace
-from memplan.pipeline import PassManager, _mutated_args
+from memplan.graphutil import mutated_args
+from memplan.pipeline import PassManager
 from memplan.steps import step_fn
 from memplan.testing import assert_equivalent, random_model, zoo
 
@@ -260,7 +261,7 @@ def stale_reads(graph):
     for writer in nodes:
         if writer.op != "call_function":
             continue
-        for target in _mutated_args(writer):
+        for target in mutated_args(writer):
             written = storages(target)
             for older in nodes[: position[writer]]:
                 if not storages(older) & written:

@@ -17,7 +17,8 @@ from memplan.capture import Phase, capture
 from memplan.graphutil import is_random
 from memplan.measure import measure
 from memplan.passes.schedule import STRATEGIES, ScheduleProblem, plan_schedule
-from memplan.pipeline import PassManager, _mutated_args
+from memplan.graphutil import mutated_args
+from memplan.pipeline import PassManager
 from memplan.steps import step_fn
 from memplan.testing import assert_equivalent, random_model, zoo
 
@@ -218,7 +219,7 @@ def check_order(original, scheduled):
                 assert position[arg.name] < position[node.name], f"{node.name} runs before its input {arg.name}"
     phases = [scheduled.phases[n.name] for n in nodes]
     assert phases == sorted(phases, key=lambda p: p is Phase.BACKWARD), "a node crossed the phase boundary"
-    ordered = [n.name for n in nodes if is_random(n) or _mutated_args(n)]
+    ordered = [n.name for n in nodes if is_random(n) or mutated_args(n)]
     assert ordered == sorted(ordered, key=old_position.__getitem__), "random or mutating ops were reordered"
     # every reader of a written storage stays on its side of the write
     storage = {}
@@ -227,7 +228,7 @@ def check_order(original, scheduled):
         if isinstance(value, torch.Tensor):
             storage[node.name] = value.untyped_storage()._cdata
     for writer in nodes:
-        for target in _mutated_args(writer):
+        for target in mutated_args(writer):
             written = target.meta["val"].untyped_storage()._cdata
             for reader in nodes:
                 if reader is writer or not any(storage.get(a.name) == written for a in reader.all_input_nodes):
