@@ -40,8 +40,10 @@ __all__ = ["optimize", "OptimizedModule", "Plan", "DEFAULT_PIPELINE"]
 
 #: Passes run when ``passes=None``; the empty pipeline only captures and emits. Rewrites first (they
 #: remove broadcast copies chunking would otherwise carry), then chunking of huge reduced
-#: intermediates, then in-place reuse of what dies, then the order with the lowest peak.
-DEFAULT_PIPELINE: tuple[str, ...] = ("rewrite", "chunk", "inplace", "schedule")
+#: intermediates (it finds a region's backward by sequence numbers, which recomputation would blur),
+#: in-place reuse of what dies, rematerialisation and checkpointing across unrolled timesteps under
+#: the policy, and last the order with the lowest peak.
+DEFAULT_PIPELINE: tuple[str, ...] = ("rewrite", "chunk", "inplace", "remat", "timesteps", "schedule")
 
 
 @dataclasses.dataclass(frozen=True)
