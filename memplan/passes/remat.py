@@ -105,6 +105,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memplan.analysis.manager import AnalysisManager
+from memplan.analysis.peak import PeakSimulation
 from memplan.analysis.tensors import Tensors, tensor_values
 from memplan.capture import CapturedGraph, Phase
 from memplan.graphutil import GraphEditor, fake_value, is_random, mutated_args, packet_name
@@ -1535,7 +1536,8 @@ def plan_remat(
     simulation = VirtualSimulation(graph, am)
     facts = RematFacts.compute(graph, am, options.ban_ops)
     backward = _backward_reads(graph)
-    candidates = [Candidate(RematPlan("keep everything"), simulation.step_peak(), 0.0, "keep everything")]
+    base_peak = am.get(PeakSimulation).peak + simulation.margin  # the pipeline computes it anyway
+    candidates = [Candidate(RematPlan("keep everything"), base_peak, 0.0, "keep everything")]
 
     # Step 2: stack reads; every later candidate starts from them.
     reads = plan_stack_reads(graph, am)

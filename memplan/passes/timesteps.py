@@ -82,6 +82,7 @@ import torch
 import torch.fx
 
 from memplan.analysis.manager import AnalysisManager
+from memplan.analysis.peak import PeakSimulation
 from memplan.capture import CapturedGraph, Phase
 from memplan.graphutil import packet_name
 from memplan.measure import format_bytes
@@ -168,30 +169,37 @@ def _shape_key(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return (tuple(int(s) for s in value.shape), str(value.dtype))
     if isinstance(value, (list, tuple)):
-        return tuple(_shape_key(v) for v in value)
+        return ("seq", len(value))  # a list output's elements are described by its getitems
     return type(value).__name__
-
-
-def _arg_key(arg: Any) -> Any:
-    if isinstance(arg, torch.fx.Node):
-        if arg.op in ("placeholder", "get_attr"):
-            return ("input", arg.name)
-        return ("node", packet_name(arg) or str(arg.target), _shape_key(arg.meta.get("val")))
-    if isinstance(arg, (list, tuple)):
-        return ("seq", tuple(_arg_key(a) for a in arg))
-    return type(arg).__name__
 
 
 def _labels(nodes: Sequence[torch.fx.Node]) -> np.ndarray:
     """One small int per node: equal for the same op, output shapes and argument structure."""
     ids: dict[Any, int] = {}
+    described: dict[torch.fx.Node, Any] = {}
+
+    def node_key(node: torch.fx.Node) -> Any:
+        if node not in described:
+            if node.op in ("placeholder", "get_attr"):
+                described[node] = ("input", node.name)
+            else:
+                described[node] = ("node", packet_name(node) or str(node.target), _shape_key(node.meta.get("val")))
+        return described[node]
+
+    def arg_key(arg: Any) -> Any:
+        if isinstance(arg, torch.fx.Node):
+            return node_key(arg)
+        if isinstance(arg, (list, tuple)):
+            return ("seq", tuple(arg_key(a) for a in arg))
+        return type(arg).__name__
+
     labels = np.empty(len(nodes), dtype=np.int64)
     for i, node in enumerate(nodes):
         key = (
             packet_name(node) or str(node.target),
             _shape_key(node.meta.get("val")),
-            tuple(_arg_key(a) for a in node.args),
-            tuple(sorted((k, _arg_key(v)) for k, v in node.kwargs.items())),
+            tuple(arg_key(a) for a in node.args),
+            tuple(sorted((k, arg_key(v)) for k, v in node.kwargs.items())),
         )
         labels[i] = ids.setdefault(key, len(ids))
     return labels
@@ -525,7 +533,8 @@ def plan_timesteps(
     reads = plan_stack_reads(graph, am)
     facts = _after_stack_reads(facts, reads)
     simulation = VirtualSimulation(graph, am)
-    candidates = [Candidate(RematPlan("keep every step"), simulation.step_peak(), 0.0, "keep every step")]
+    base_peak = am.get(PeakSimulation).peak + simulation.margin  # the pipeline computes it anyway
+    candidates = [Candidate(RematPlan("keep every step"), base_peak, 0.0, "keep every step")]
     backward_by_seq: dict[int, list[str]] = {}
     for node in graph.gm.graph.nodes:
         if graph.phases.get(node.name) is Phase.BACKWARD and node.name in graph.seq_nr:
