@@ -31,7 +31,11 @@ def test_empty_pipeline_is_exact_and_never_uses_more_memory(name, model, inputs)
         assert measure(opt_step).peak <= measure(eager_step).peak
 
 
-@pytest.mark.parametrize("name,model,inputs", MODELS, ids=[m[0] for m in MODELS])
+ZOO_MODELS = [(z.name, z.model, z.inputs) for z in ZOO]
+
+
+# The examples get the same checks in tests/test_peak_regression.py, which plans them once.
+@pytest.mark.parametrize("name,model,inputs", ZOO_MODELS, ids=[m[0] for m in ZOO_MODELS])
 def test_default_pipeline_is_equivalent_and_never_uses_more_memory(name, model, inputs):
     opt = optimize(model)
     # chunking may change summation order: float tolerance only
