@@ -32,7 +32,7 @@ from memplan.capture import CapturedGraph, capture
 from memplan.emit import Emitted, PlanFunction, emit, run_inference
 from memplan.errors import CaptureError, UnsupportedInputError
 from memplan.measure import format_bytes
-from memplan.graphutil import mutated_args
+from memplan.graphutil import copy_graph, mutated_args
 from memplan.pipeline import PassManager, PassRecord
 from memplan.policy import Policy
 
@@ -194,7 +194,8 @@ class OptimizedModule(nn.Module):
         graph = capture(original, *args, seed="tangents", **kwargs)
         _check_mutations(graph)
         eager = MemoryAnalysis.from_graph(graph)
-        result = PassManager(self.passes, self.policy, options=self.options).run(graph)
+        # Passes edit the graph they are given; keep the captured one intact for reports.
+        result = PassManager(self.passes, self.policy, options=self.options).run(copy_graph(graph))
         planned = MemoryAnalysis.from_graph(result.graph)
         emitted = emit(result.graph)
         tensors = AnalysisManager(result.graph).get(Tensors)

@@ -17,7 +17,7 @@ import torch.utils._pytree as pytree
 
 from memplan.capture import CapturedGraph, Phase
 
-__all__ = ["packet_name", "is_random", "mutated_args", "fake_value", "GraphEditor"]
+__all__ = ["packet_name", "is_random", "mutated_args", "fake_value", "copy_graph", "GraphEditor"]
 
 
 def packet_name(node: torch.fx.Node) -> str:
@@ -44,6 +44,21 @@ def mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
             if isinstance(value, torch.fx.Node):
                 mutated.append(value)
     return mutated
+
+
+def copy_graph(graph: CapturedGraph) -> CapturedGraph:
+    """A copy whose GraphModule passes may edit in place; node names (and so every mapping) are kept.
+
+    Fake values are shared, not copied: passes replace a node's ``meta["val"]``, never mutate it.
+    """
+    new = torch.fx.Graph()
+    value_map: dict[torch.fx.Node, torch.fx.Node] = {}
+    output = new.graph_copy(graph.gm.graph, value_map)
+    new.output(output)
+    for old, copied in value_map.items():
+        if copied.name != old.name:
+            raise AssertionError(f"graph copy renamed {old.name} to {copied.name}")
+    return dataclasses.replace(graph, gm=torch.fx.GraphModule(graph.gm, new))
 
 
 def _fake_mode_of(values: list[Any]):
