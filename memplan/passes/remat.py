@@ -129,7 +129,13 @@ __all__ = [
     "apply_stack_reads",
     "retarget",
     "min_cut",
+    "CopyPlan",
     "plan_copies",
+    "backward_reads",
+    "forward_inputs",
+    "after_stack_reads",
+    "hoisted",
+    "pareto_front",
     "apply_recompute",
     "plan_remat",
     "apply_remat",
@@ -752,7 +758,7 @@ class CopyPlan:
         return frozenset(found)
 
 
-def _backward_reads(graph: CapturedGraph) -> list[tuple[str, int, tuple[str, ...]]]:
+def backward_reads(graph: CapturedGraph) -> list[tuple[str, int, tuple[str, ...]]]:
     """``(backward node, position, forward nodes it reads)`` in graph order."""
     rows = []
     for i, node in enumerate(graph.gm.graph.nodes):
@@ -1051,14 +1057,15 @@ def apply_remat(graph: CapturedGraph, plan: RematPlan) -> CapturedGraph:
     editor = GraphEditor(graph)
     if plan.groups:
         units = {m: unit for unit in plan.units for m in unit}
-        copies = plan_copies(plan.groups, inputs=_forward_inputs(graph), backward=_backward_reads(graph), units=units)
+        copies = plan_copies(plan.groups, inputs=forward_inputs(graph), backward=backward_reads(graph), units=units)
         apply_recompute(editor, copies)
     if plan.stack_reads:
         apply_stack_reads(editor, plan.stack_reads)
     return editor.finish()
 
 
-def _forward_inputs(graph: CapturedGraph) -> dict[str, tuple[str, ...]]:
+def forward_inputs(graph: CapturedGraph) -> dict[str, tuple[str, ...]]:
+    """Forward node -> the nodes it reads (graph inputs included)."""
     return {
         n.name: tuple(a.name for a in n.all_input_nodes)
         for n in graph.gm.graph.nodes
@@ -1509,7 +1516,7 @@ class VirtualSimulation:
         return timeline
 
 
-def _after_stack_reads(facts: RematFacts, reads: Sequence[StackRead]) -> RematFacts:
+def after_stack_reads(facts: RematFacts, reads: Sequence[StackRead]) -> RematFacts:
     """Facts once ``reads`` are planned: their values are free to save, their stacks are never recomputed."""
     nodes = dict(facts.nodes)
     for read in reads:
@@ -1535,17 +1542,17 @@ def plan_remat(
     # Step 1: facts of the graph as given (its peak and compute are the reference).
     simulation = VirtualSimulation(graph, am)
     facts = RematFacts.compute(graph, am, options.ban_ops)
-    backward = _backward_reads(graph)
+    backward = backward_reads(graph)
     base_peak = am.get(PeakSimulation).peak + simulation.margin  # the pipeline computes it anyway
     candidates = [Candidate(RematPlan("keep everything"), base_peak, 0.0, "keep everything")]
 
     # Step 2: stack reads; every later candidate starts from them.
     reads = plan_stack_reads(graph, am)
-    facts = _after_stack_reads(facts, reads)
+    facts = after_stack_reads(facts, reads)
     if reads:
         plan = RematPlan("stack reads", stack_reads=reads, saved=tuple(facts.needed))
         candidates.append(Candidate(plan, simulation.step_peak(reads), 0.0, plan.label))
-    inputs = _forward_inputs(graph)
+    inputs = forward_inputs(graph)
 
     # Steps 3-4: cuts, each repaired for hoisting; one candidate per distinct recompute set.
     seen: set[frozenset[str]] = set()
@@ -1568,10 +1575,10 @@ def plan_remat(
         candidates.append(Candidate(plan, peak, extra / max(1, facts.total_flops), label))
 
     # Step 6: the policy chooses among the candidates no other beats on both peak and overhead.
-    return policy.choose(_pareto(candidates)), tuple(candidates)
+    return policy.choose(pareto_front(candidates)), tuple(candidates)
 
 
-def _pareto(candidates: Sequence[Candidate[RematPlan]]) -> list[Candidate[RematPlan]]:
+def pareto_front(candidates: Sequence[Candidate[RematPlan]]) -> list[Candidate[RematPlan]]:
     """Drop candidates that another beats on both peak and overhead (ties kept: the policy breaks them)."""
     kept = []
     for c in candidates:

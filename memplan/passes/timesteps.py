@@ -91,10 +91,10 @@ from memplan.passes.remat import (
     RematFacts,
     RematPlan,
     VirtualSimulation,
-    _after_stack_reads,
-    _backward_reads,
-    _forward_inputs,
-    _pareto,
+    after_stack_reads,
+    backward_reads,
+    forward_inputs,
+    pareto_front,
     apply_remat,
     plan_copies,
     plan_stack_reads,
@@ -531,7 +531,7 @@ def plan_timesteps(
     # Steps 1-3: facts (what may be recomputed, what is free to save), loops and their steps.
     facts = RematFacts.compute(graph, am)
     reads = plan_stack_reads(graph, am)
-    facts = _after_stack_reads(facts, reads)
+    facts = after_stack_reads(facts, reads)
     simulation = VirtualSimulation(graph, am)
     base_peak = am.get(PeakSimulation).peak + simulation.margin  # the pipeline computes it anyway
     candidates = [Candidate(RematPlan("keep every step"), base_peak, 0.0, "keep every step")]
@@ -548,8 +548,8 @@ def plan_timesteps(
         candidates.append(Candidate(plan, simulation.step_peak(reads), 0.0, plan.label))
 
     # Steps 4-5: schedules, realised as nested groups and simulated.
-    backward = _backward_reads(graph)
-    inputs = _forward_inputs(graph)
+    backward = backward_reads(graph)
+    inputs = forward_inputs(graph)
     longest = max(s.loop.iterations for s in loops)
     _, split = checkpoint_costs(longest, max(options.slots))
     for schedule in _schedules(loops, options):
@@ -563,7 +563,7 @@ def plan_timesteps(
         candidates.append(Candidate(plan, simulation.step_peak(reads, copies), overhead, label))
 
     # Step 5 (end): the policy picks among the candidates no other beats on both counts.
-    return policy.choose(_pareto(candidates)), tuple(candidates), tuple(s.loop for s in loops)
+    return policy.choose(pareto_front(candidates)), tuple(candidates), tuple(s.loop for s in loops)
 
 
 # ----------------------------------------------------------------------------------------------
