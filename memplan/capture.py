@@ -371,7 +371,9 @@ def capture(
             tangents = list(flat[n_params + n_buffers + n_user :])
             tag_backward(diff)
             torch.autograd.backward(diff, tangents)
-        return list(flat_out) + [t.grad for t in grad_inputs]
+        # AccumulateGrad copies a gradient whose strides differ from its leaf's (the layout contract);
+        # make that copy inside the graph, where the plan sees it, so autograd takes ours as it is.
+        return list(flat_out) + [_in_layout_of(t.grad, t) for t in grad_inputs]
 
     real_flat: list[torch.Tensor] = []
     for name in param_names:
@@ -498,6 +500,12 @@ def _tag_backward_with_seq_nr(roots: list[Any]) -> None:
         grad_fn.register_prehook(prehook)
         grad_fn.register_hook(posthook)
         stack.extend(fn for fn, _ in grad_fn.next_functions if fn is not None)
+
+
+def _in_layout_of(grad: torch.Tensor | None, leaf: torch.Tensor) -> torch.Tensor | None:
+    if grad is None or grad.stride() == leaf.stride():
+        return grad
+    return torch.empty_strided(leaf.shape, leaf.stride(), dtype=grad.dtype, device=grad.device).copy_(grad)
 
 
 def _check_constants(model: Any, tracer: Any) -> None:

@@ -52,6 +52,22 @@ def test_random_programs_are_exact(seed):
     assert_equivalent(model, optimize(model, passes=""), *inputs, rtol=0, atol=0)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known gap: the fake trace gives this gradient the leaf's strides, the real kernels a "
+    "transposed layout, so autograd's layout copy (AccumulateGrad) happens outside the plan: "
+    "predicted 4096 B, measured 6152 B",
+)
+def test_gradient_layout_copies_are_planned_not_left_to_autograd():
+    # a gradient with other strides than its leaf (here transposed) is copied into the leaf's layout;
+    # the copy must be in the plan, or the ruler measures more than the plan predicts
+    model, inputs = random_model(306, steps=4, requires_grad_input=True)
+    opt = optimize(model, passes="")
+    step = step_fn(opt, inputs, train=True)
+    step()
+    assert measure(step).peak <= opt.plan.planned_peak + 8
+
+
 def test_plan_is_cached_per_signature():
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
     opt = optimize(model, passes="")
