@@ -10,7 +10,8 @@ the chunk's total weight), and runs the region's backward chunk by chunk too, re
 chunk's forward values instead of saving them (Rabe & Staats 2021; KeOps; ``vmap(chunk_size=)``;
 OpenNMT-py generator shards).
 
-The dimension is found from the graph: every op has a *chunk rule* (:func:`chunk_rule`) saying,
+The dimension is found from the graph: every op has a *chunk rule*
+(:func:`~memplan.passes._chunk.rules.chunk_rule`, in :mod:`memplan.passes._chunk.rules`) saying,
 given which input carries the index (``Split(dim, inner)``: the outer factor of ``dim``), which
 dimension of its output carries it, or that its output is a *partial* result of the chunk
 (``Partial``: a sum, a mean, a log-sum-exp, ...), or that it mixes the index (a ``Barrier``: a softmax
@@ -84,27 +85,52 @@ autograd sequence numbers.
 from __future__ import annotations
 
 import dataclasses
-import heapq
-import math
 import operator
-import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Union
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
-from torch.fx.graph import _BoxedCodeGen
 
-from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.liveness import Liveness
+from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation
 from memplan.analysis.tensors import Tensors
-from memplan.capture import CapturedGraph, InputSpec, OutputSpec, Phase
+from memplan.capture import CapturedGraph, Phase
+from memplan.errors import InfeasibleBudgetError
 from memplan.graphutil import is_random, mutated_args, packet_name
+from memplan.passes._chunk.cost import CostRates, graph_cost, module_cost
+from memplan.passes._chunk.graphs import (
+    ALIAS_OPS,
+    RegionBackward,
+    copy_graph,
+    fake_mode_of,
+    finish_module,
+    owned_by,
+    refresh_aliases,
+    region_backward,
+    stable_toposort,
+)
+from memplan.passes._chunk.loops import ChunkLoop, LoopInput, LoopOutput, LoopSpec, body_graph, body_peak, build_body
+from memplan.passes._chunk.rules import (
+    REP,
+    VIEW_OPS,
+    ZERO_PRODUCERS,
+    Barrier,
+    Need,
+    Partial,
+    Replicated,
+    Split,
+    State,
+    arg_of,
+    chunk_rule,
+    is_tensor,
+    map_view,
+    nbytes,
+    shape_of,
+)
 from memplan.pipeline import PassContext, PassResult, PassStats, register_pass
 from memplan.policy import Candidate, Policy
-from memplan.errors import InfeasibleBudgetError
 
 __all__ = [
     "Split",
@@ -112,13 +138,17 @@ __all__ = [
     "Replicated",
     "REP",
     "chunk_rule",
+    "map_view",
     "RegionBackward",
     "region_backward",
     "ChunkRegion",
     "ChunkPlan",
     "ChunkLoop",
+    "ChunkOptions",
+    "CostRates",
     "plan_chunk",
     "apply_chunk",
+    "apply_region",
     "chunk",
     "stable_toposort",
     "copy_graph",
@@ -126,758 +156,6 @@ __all__ = [
     "fake_mode_of",
     "graph_cost",
 ]
-
-
-# ----------------------------------------------------------------------------------------------
-# states
-
-
-@dataclasses.dataclass(frozen=True)
-class Split:
-    """The value carries the chunked index on ``dim``: that dimension has ``units * inner`` entries and
-    the index is its outer factor (a chunk of ``c`` units is ``narrow(dim, start * inner, c * inner)``)."""
-
-    dim: int
-    inner: int = 1
-
-    def __str__(self) -> str:
-        return f"split(dim={self.dim})" if self.inner == 1 else f"split(dim={self.dim}, inner={self.inner})"
-
-
-@dataclasses.dataclass(frozen=True)
-class Partial:
-    """A chunk's value is a partial result; the full value combines all chunks with ``kind``:
-    ``"sum"``, ``"mean"`` (sum weighted by chunk length), ``"lse"`` (log-sum-exp), ``"max"``, ``"min"``,
-    ``"nll_mean"`` (NLL mean, weighted by the chunk's total weight)."""
-
-    kind: str
-
-    def __str__(self) -> str:
-        return f"partial({self.kind})"
-
-
-@dataclasses.dataclass(frozen=True)
-class Replicated:
-    """The value does not depend on the chunk: every chunk sees all of it."""
-
-    def __str__(self) -> str:
-        return "replicated"
-
-
-REP = Replicated()
-State = Union[Split, Partial, Replicated, tuple]
-
-#: Partial kinds that linear ops (views, add, scaling) carry through unchanged.
-_LINEAR_PARTIALS = ("sum", "mean")
-
-
-@dataclasses.dataclass(frozen=True)
-class Need:
-    """The rule holds only if input ``node`` is sliced as ``state`` (it is full-sized on the index)."""
-
-    node: torch.fx.Node
-    state: Split
-
-
-@dataclasses.dataclass(frozen=True)
-class Barrier:
-    """The op mixes the index (or has no rule): it cannot run chunk by chunk."""
-
-    reason: str
-
-
-RuleResult = Union[Split, Partial, Replicated, tuple, Need, Barrier]
-
-
-# ----------------------------------------------------------------------------------------------
-# op chunk rules
-
-_IDENTITY_OPS = {"alias", "detach", "clone", "contiguous", "lift_fresh_copy", "_to_copy", "fill_", "zero_",
-                 "relu_", "positive"}
-_VIEW_OPS = {"view", "_unsafe_view", "reshape"}
-_FACTORY_LIKE = {"zeros_like", "ones_like", "empty_like", "full_like"}
-_NEW_FACTORIES = {"new_zeros", "new_ones", "new_empty", "new_full", "new_empty_strided"}
-_FACTORIES = {"zeros", "ones", "empty", "full", "empty_strided", "scalar_tensor", "arange"}
-_ZERO_PRODUCERS = {"zeros", "new_zeros", "zeros_like"}
-_REDUCTION_KINDS = {"sum": "sum", "mean": "mean", "amax": "max", "amin": "min", "logsumexp": "lse", "max": "max", "min": "min"}
-_EXTRA_POINTWISE = {"copy_", "copy", "masked_fill_", "where"}
-
-
-def _val(node: Any) -> Any:
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-
-
-def _shape(node: Any) -> tuple[int, ...]:
-    value = _val(node)
-    if isinstance(value, torch.Tensor):
-        return tuple(int(s) for s in value.shape)
-    return ()
-
-
-def _is_tensor(node: Any) -> bool:
-    return isinstance(node, torch.fx.Node) and isinstance(_val(node), torch.Tensor)
-
-
-def _norm(dim: int, rank: int) -> int:
-    return dim + rank if dim < 0 else dim
-
-
-def _is_pointwise(node: torch.fx.Node) -> bool:
-    tags = getattr(node.target, "tags", ())
-    return torch.Tag.pointwise in tags or packet_name(node) in _EXTRA_POINTWISE
-
-
-def _tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
-    return [a for a in node.all_input_nodes if _is_tensor(a)]
-
-
-def _arg(node: torch.fx.Node, index: int, name: str, default: Any = None) -> Any:
-    if index < len(node.args):
-        return node.args[index]
-    return node.kwargs.get(name, default)
-
-
-def map_view(in_shape: Sequence[int], out_shape: Sequence[int], state: Split) -> Split | None:
-    """Where the chunked index lands after reshaping ``in_shape`` to ``out_shape`` (None: it is split).
-
-    Examples
-    --------
-    >>> map_view((16, 64, 32), (1024, 32), Split(0))
-    Split(dim=0, inner=64)
-    >>> map_view((1024, 32), (16, 64, 32), Split(0, 64))
-    Split(dim=0, inner=1)
-    >>> map_view((1024, 32), (16, 64, 32), Split(0)) is None
-    True
-    """
-    d, inner = state.dim, state.inner
-    units = in_shape[d] // inner
-    outer = math.prod(in_shape[:d])
-    unit_elems = inner * math.prod(in_shape[d + 1 :])
-    for k, size in enumerate(out_shape):
-        if size < units or size % units or math.prod(out_shape[:k]) != outer:
-            continue
-        new_inner = size // units
-        if new_inner * math.prod(out_shape[k + 1 :]) == unit_elems:
-            return Split(k, new_inner)
-    return None
-
-
-def _pointwise(node: torch.fx.Node, st: Callable[[Any], State], out_shape: tuple[int, ...]) -> RuleResult:
-    rank = len(out_shape)
-    tensors = _tensor_args(node)
-    splits = [(a, st(a)) for a in tensors if isinstance(st(a), Split)]
-    partials = [(a, st(a)) for a in tensors if isinstance(st(a), Partial)]
-    if partials:
-        return _linear_partial(node, st, splits, partials)
-    dims = {(s.dim + rank - len(_shape(a)), s.inner) for a, s in splits}
-    if len(dims) != 1:
-        return Barrier("operands carry the index on different dimensions")
-    (dim, inner), = dims
-    for a in tensors:
-        if isinstance(st(a), Replicated):
-            aligned = dim - (rank - len(_shape(a)))
-            if aligned >= 0 and _shape(a)[aligned] != 1:
-                return Need(a, Split(aligned, inner))
-    return Split(dim, inner)
-
-
-def _linear_partial(node: torch.fx.Node, st, splits, partials) -> RuleResult:
-    """Partial sums and means pass through linear ops: add/sub of partials, scaling by a replicated value."""
-    if splits:
-        return Barrier("mixes a partial result with a sliced value")
-    kinds = {p.kind for _, p in partials}
-    if len(kinds) != 1 or next(iter(kinds)) not in _LINEAR_PARTIALS:
-        return Barrier("a partial result that only linear ops may touch")
-    kind = next(iter(kinds))
-    name = packet_name(node)
-    tensors = _tensor_args(node)
-    if name in ("add", "sub") and all(isinstance(st(a), Partial) for a in tensors):
-        return Partial(kind)
-    if name in ("mul", "neg") and len(partials) == 1:
-        return Partial(kind)
-    if name == "div" and len(partials) == 1 and partials[0][0] is node.args[0]:
-        return Partial(kind)
-    return Barrier(f"{name} is not linear in a partial result")
-
-
-def _reduction(node: torch.fx.Node, st, name: str) -> RuleResult:
-    """Reductions: over another dimension the index moves; over the chunked one the result is partial."""
-    x = node.args[0]
-    s = st(x)
-    rank = len(_shape(x))
-    overload = node.target._overloadname
-    with_indices = name in ("max", "min") and overload == "dim"
-    if name in ("sum", "mean", "max", "min") and overload == "default":
-        dims, keepdim = list(range(rank)), False
-    elif with_indices or name in ("argmax", "argmin"):
-        dim = _arg(node, 1, "dim")
-        dims = list(range(rank)) if dim is None else [_norm(dim, rank)]
-        keepdim = bool(_arg(node, 2, "keepdim", False))
-    else:
-        dim = _arg(node, 1, "dim")
-        dim = [] if dim is None else list(dim) if isinstance(dim, (list, tuple)) else [dim]
-        dims = list(range(rank)) if not dim else [_norm(d, rank) for d in dim]
-        keepdim = bool(_arg(node, 2, "keepdim", False))
-    if isinstance(s, Partial):
-        if s.kind in _LINEAR_PARTIALS and name in ("sum", "mean"):
-            return Partial(s.kind)
-        return Barrier(f"{name} of a partial result")
-    if not isinstance(s, Split):
-        return REP
-    if s.dim in dims:
-        if with_indices or name in ("argmax", "argmin"):
-            return Barrier(f"{name} with indices over the chunked dimension")
-        return Partial(_REDUCTION_KINDS.get(name, name))
-    new_dim = s.dim if keepdim else s.dim - sum(1 for d in dims if d < s.dim)
-    out = Split(new_dim, s.inner)
-    return (out, out) if with_indices else out
-
-
-def _matmul(node: torch.fx.Node, st, a: Any, b: Any, batched: bool) -> RuleResult:
-    """``mm`` (rows of a, columns of b, contraction) and ``bmm`` (plus a shared batch dimension)."""
-    sa, sb = st(a), st(b)
-    off = 1 if batched else 0
-    if isinstance(sa, Partial) or isinstance(sb, Partial):
-        if isinstance(sa, Split) or isinstance(sb, Split):
-            return Barrier("matmul of a partial and a sliced value")
-        kinds = {s.kind for s in (sa, sb) if isinstance(s, Partial)}
-        if len(kinds) == 1 and isinstance(sa, Partial) != isinstance(sb, Partial) and kinds <= set(_LINEAR_PARTIALS):
-            return Partial(kinds.pop())
-        return Barrier("matmul of two partial results")
-    if batched:
-        a0 = isinstance(sa, Split) and sa.dim == 0
-        b0 = isinstance(sb, Split) and sb.dim == 0
-        if a0 and b0:
-            return sa if sa.inner == sb.inner else Barrier("batch dimensions carry the index differently")
-        if a0:
-            return Need(b, Split(0, sa.inner)) if isinstance(sb, Replicated) else Barrier("batch and another dimension")
-        if b0:
-            return Need(a, Split(0, sb.inner)) if isinstance(sa, Replicated) else Barrier("batch and another dimension")
-    rows, inner_a = (isinstance(sa, Split) and sa.dim == off), (isinstance(sa, Split) and sa.dim == off + 1)
-    cols, inner_b = (isinstance(sb, Split) and sb.dim == off + 1), (isinstance(sb, Split) and sb.dim == off)
-    if rows and not isinstance(sb, Split):
-        return Split(off, sa.inner)
-    if cols and not isinstance(sa, Split):
-        return Split(off + 1, sb.inner)
-    if inner_a and inner_b and sa.inner == sb.inner:
-        return Partial("sum")
-    if inner_a and isinstance(sb, Replicated):
-        return Need(b, Split(off, sa.inner))
-    if inner_b and isinstance(sa, Replicated):
-        return Need(a, Split(off + 1, sb.inner))
-    return Barrier("matmul operands carry the index on incompatible dimensions")
-
-
-def _broadcast_into(node: torch.fx.Node, st, other: Any, out: RuleResult, out_rank: int) -> RuleResult:
-    """``out`` combined with a broadcast operand (addmm's bias): slice it if it is full-sized there."""
-    if not isinstance(out, Split) or not _is_tensor(other):
-        return out
-    s = st(other)
-    aligned = out.dim - (out_rank - len(_shape(other)))
-    if isinstance(s, Split):
-        return out if s.dim == aligned and s.inner == out.inner else Barrier("bias carries the index elsewhere")
-    if isinstance(s, Partial):
-        return Barrier("partial bias")
-    if aligned >= 0 and _shape(other)[aligned] != 1:
-        return Need(other, Split(aligned, out.inner))
-    return out
-
-
-def _same_dim_all(node: torch.fx.Node, st, tensors: Sequence[Any], forbidden: int | None, rank_of) -> RuleResult:
-    """All tensor operands carry the index on the same dimension, which must not be ``forbidden``."""
-    states = [(t, st(t)) for t in tensors if _is_tensor(t)]
-    if any(isinstance(s, Partial) for _, s in states):
-        return Barrier("partial operand")
-    splits = {s for _, s in states if isinstance(s, Split)}
-    if len(splits) != 1:
-        return Barrier("operands carry the index on different dimensions")
-    (s,) = splits
-    if forbidden is not None and s.dim == forbidden:
-        return Barrier("the op works along the chunked dimension")
-    for t, ts in states:
-        if isinstance(ts, Replicated) and _shape(t) and len(_shape(t)) > s.dim and _shape(t)[s.dim] != 1:
-            return Need(t, s)
-    return s
-
-
-def chunk_rule(node: torch.fx.Node, st: Callable[[Any], State], is_zero: Callable[[Any], bool] = lambda n: False) -> RuleResult:
-    """The chunk rule of ``node``: its output state given its inputs' states ``st(input)``.
-
-    Returns a state (``Split``, ``Partial``, ``REP`` or a tuple for ops with several outputs), a
-    :class:`Need` (an input must be sliced for the rule to hold) or a :class:`Barrier`.
-    ``is_zero(x)`` tells whether a replicated input is known to be all zeros (scatter-adds into zeros
-    are partial sums).
-
-    Examples
-    --------
-    >>> import torch
-    >>> from torch.fx.experimental.proxy_tensor import make_fx
-    >>> gm = make_fx(lambda x, w: (x @ w).softmax(-1), tracing_mode="fake")(torch.randn(8, 4), torch.randn(4, 5))
-    >>> x, w, mm, soft = [n for n in gm.graph.nodes][:4]
-    >>> chunk_rule(mm, {x: Split(0)}.get), chunk_rule(soft, {mm: Split(0)}.get)
-    (Split(dim=0, inner=1), Split(dim=0, inner=1))
-    >>> chunk_rule(soft, {mm: Split(1)}.get)
-    Barrier(reason='softmax along the chunked dimension')
-    """
-
-    def state(x: Any) -> State:
-        if not isinstance(x, torch.fx.Node):
-            return REP
-        s = st(x)
-        return REP if s is None else s
-
-    if node.op != "call_function":
-        return Barrier("not an op")
-    if node.target is operator.getitem:
-        parent = state(node.args[0])
-        if isinstance(parent, tuple):
-            return parent[node.args[1]]
-        return parent if isinstance(parent, Replicated) else Barrier("getitem of a non-tuple")
-    tensors = _tensor_args(node)
-    in_states = [state(a) for a in tensors]
-    name = packet_name(node)
-    if name in _NEW_FACTORIES or name in _FACTORIES:
-        return REP  # shape-only: relabelled on demand (see Need handling)
-    if all(isinstance(s, Replicated) for s in in_states):
-        return REP
-    if is_random(node):
-        return Barrier("random op")
-    value = node.meta.get("val")
-    out_shape = tuple(value.shape) if isinstance(value, torch.Tensor) else ()
-    x = node.args[0] if node.args else None
-    sx = state(x)
-
-    if name in _IDENTITY_OPS:
-        return sx if _shape(x) == out_shape or isinstance(sx, Replicated) else Barrier("shape changes")
-    if name in _FACTORY_LIKE:
-        return sx if isinstance(sx, Split) else REP
-    if name in _VIEW_OPS:
-        if isinstance(sx, Partial):
-            return sx if sx.kind in _LINEAR_PARTIALS else Barrier("view of a partial")
-        mapped = map_view(_shape(x), out_shape, sx)
-        return mapped if mapped is not None else Barrier("the view splits the chunked dimension")
-    if name == "expand":
-        if isinstance(sx, Partial):
-            return sx if sx.kind in _LINEAR_PARTIALS else Barrier("expand of a partial")
-        return Split(sx.dim + len(out_shape) - len(_shape(x)), sx.inner)
-    if name in ("permute", "transpose", "t", "unsqueeze", "squeeze", "select", "slice", "narrow", "diagonal"):
-        return _layout_rule(node, name, sx, _shape(x), out_shape)
-    if name in ("split", "split_with_sizes", "unbind", "chunk", "unsafe_split", "unsafe_chunk", "unsafe_split_with_sizes"):
-        if not isinstance(sx, Split):
-            return Barrier("split of a partial")
-        dim = _norm(_arg(node, 2 if name != "unbind" else 1, "dim", 0), len(_shape(x)))
-        if dim == sx.dim:
-            return Barrier("split along the chunked dimension")
-        new = Split(sx.dim - (1 if name == "unbind" and dim < sx.dim else 0), sx.inner)
-        return tuple(new for _ in value)
-    if name == "cat":
-        seq = [t for t in node.args[0] if _is_tensor(t)]
-        rank = len(out_shape)
-        return _same_dim_all(node, state, seq, _norm(_arg(node, 1, "dim", 0), rank), None)
-    if name == "stack":
-        seq = [t for t in node.args[0] if _is_tensor(t)]
-        dim = _norm(_arg(node, 1, "dim", 0), len(out_shape))
-        inner = _same_dim_all(node, state, seq, None, None)
-        if not isinstance(inner, Split):
-            return inner
-        return Split(inner.dim + (1 if dim <= inner.dim else 0), inner.inner)
-    if name in _REDUCTION_KINDS or name in ("max", "min", "argmax", "argmin"):
-        return _reduction(node, state, name)
-    if name == "mm":
-        return _matmul(node, state, node.args[0], node.args[1], batched=False)
-    if name == "bmm":
-        return _matmul(node, state, node.args[0], node.args[1], batched=True)
-    if name == "addmm":
-        if isinstance(state(node.args[0]), (Split, Partial)) and not isinstance(state(node.args[1]), Split) and not isinstance(state(node.args[2]), Split):
-            return Barrier("bias carries the index")
-        inner_result = _matmul(node, state, node.args[1], node.args[2], batched=False)
-        if isinstance(inner_result, Partial):
-            return Barrier("bias added to a partial sum")
-        return _broadcast_into(node, state, node.args[0], inner_result, 2)
-    if name == "baddbmm":
-        inner_result = _matmul(node, state, node.args[1], node.args[2], batched=True)
-        if isinstance(inner_result, Partial):
-            return Barrier("self added to a partial sum")
-        return _broadcast_into(node, state, node.args[0], inner_result, 3)
-    if name in ("_softmax", "_log_softmax"):
-        if not isinstance(sx, Split):
-            return Barrier(f"{name} of a partial")
-        return sx if _norm(node.args[1], len(out_shape)) != sx.dim else Barrier("softmax along the chunked dimension")
-    if name in ("_softmax_backward_data", "_log_softmax_backward_data"):
-        return _same_dim_all(node, state, node.args[:2], _norm(node.args[2], len(out_shape)), None)
-    if name == "native_layer_norm":
-        normalized = len(node.args[1])
-        if not isinstance(sx, Split) or sx.dim >= len(_shape(x)) - normalized:
-            return Barrier("layer norm over the chunked dimension")
-        if any(isinstance(state(a), (Split, Partial)) for a in node.args[2:4]):
-            return Barrier("sliced layer-norm weights")
-        return (sx, sx, sx)
-    if name == "native_layer_norm_backward":
-        normalized = len(node.args[2])
-        split = _same_dim_all(node, state, [node.args[0], node.args[1], node.args[3], node.args[4]], None, None)
-        if not isinstance(split, Split) or split.dim >= len(_shape(node.args[1])) - normalized:
-            return split if not isinstance(split, Split) else Barrier("layer norm over the chunked dimension")
-        return (split, Partial("sum"), Partial("sum"))
-    if name == "nll_loss_forward":
-        split = _same_dim_all(node, state, [node.args[0], node.args[1]], None, None)
-        if not isinstance(split, Split):
-            return split
-        if split.dim != 0 or len(_shape(node.args[0])) != 2 or isinstance(state(node.args[2]), (Split, Partial)):
-            return Barrier("NLL over the class dimension")
-        reduction = node.args[3]
-        if reduction == 1:
-            return (Partial("nll_mean"), Partial("sum"))
-        if reduction == 2:
-            return (Partial("sum"), Partial("sum"))
-        return Barrier("unreduced NLL")
-    if name == "nll_loss_backward":
-        if isinstance(state(node.args[0]), (Split, Partial)) or isinstance(state(node.args[6]), (Split, Partial)):
-            return Barrier("NLL backward with a sliced loss gradient")
-        split = _same_dim_all(node, state, [node.args[1], node.args[2]], None, None)
-        return split if not isinstance(split, Split) or split.dim == 0 else Barrier("NLL over classes")
-    if name == "embedding":
-        if isinstance(state(node.args[0]), (Split, Partial)):
-            return Barrier("sliced embedding table")
-        s = state(node.args[1])
-        return s if isinstance(s, Split) else Barrier("partial indices")
-    if name == "embedding_dense_backward":
-        split = _same_dim_all(node, state, [node.args[0], node.args[1]], None, None)
-        if not isinstance(split, Split):
-            return split
-        return Partial("sum") if not _arg(node, 4, "scale_grad_by_freq", False) else Barrier("scale_grad_by_freq")
-    if name == "gather":
-        dim = _norm(node.args[1], len(out_shape))
-        return _same_dim_all(node, state, [node.args[0], node.args[2]], dim, None)
-    if name in ("scatter", "scatter_add", "scatter_reduce"):
-        dim = _norm(node.args[1], len(out_shape))
-        return _same_dim_all(node, state, [a for a in (node.args[0], node.args[2], node.args[3] if len(node.args) > 3 else None) if a is not None], dim, None)
-    if name in ("index_add", "index_add_"):
-        return _index_add(node, state, is_zero)
-    if name == "index":
-        return _index(node, state, out_shape)
-    if name in ("index_put", "_index_put_impl_"):
-        return _index_put(node, state, is_zero)
-    if name == "slice_backward":
-        g = state(node.args[0])
-        if isinstance(g, Split) and _norm(node.args[2], len(out_shape)) != g.dim:
-            return g
-        return Barrier("slice_backward along the chunked dimension") if isinstance(g, Split) else Barrier("partial")
-    if name == "select_backward":
-        g = state(node.args[0])
-        if not isinstance(g, Split):
-            return Barrier("partial")
-        dim = _norm(node.args[2], len(out_shape))
-        return Split(g.dim + (1 if dim <= g.dim else 0), g.inner)
-    if name in ("convolution",):
-        if isinstance(sx, Split) and sx.dim == 0 and not any(isinstance(state(a), (Split, Partial)) for a in node.args[1:3]):
-            return sx
-        return Barrier("convolution over a non-batch dimension")
-    if name == "convolution_backward":
-        split = _same_dim_all(node, state, [node.args[0], node.args[1]], None, None)
-        if isinstance(split, Split) and split.dim == 0 and not isinstance(state(node.args[2]), (Split, Partial)):
-            return (split, Partial("sum"), Partial("sum"))
-        return split if not isinstance(split, Split) else Barrier("convolution over a non-batch dimension")
-    if _is_pointwise(node):
-        if not out_shape and not isinstance(value, torch.Tensor):
-            return Barrier("pointwise op without a tensor value")
-        return _pointwise(node, state, out_shape)
-    return Barrier(f"no chunk rule for {name or node.target}")
-
-
-def _layout_rule(node: torch.fx.Node, name: str, sx: State, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> RuleResult:
-    if isinstance(sx, Partial):
-        if sx.kind in _LINEAR_PARTIALS and name in ("permute", "transpose", "t", "unsqueeze", "squeeze"):
-            return sx
-        return Barrier(f"{name} of a partial")
-    d, inner = sx.dim, sx.inner
-    rank_in, rank_out = len(in_shape), len(out_shape)
-    if name == "permute":
-        dims = [_norm(p, rank_in) for p in node.args[1]]
-        return Split(dims.index(d), inner)
-    if name in ("transpose", "t"):
-        a, b = (0, 1) if name == "t" else (_norm(node.args[1], rank_in), _norm(node.args[2], rank_in))
-        if rank_in < 2:
-            return sx
-        return Split(b if d == a else a if d == b else d, inner)
-    if name == "unsqueeze":
-        k = _norm(node.args[1], rank_out)
-        return Split(d + (1 if k <= d else 0), inner)
-    if name == "squeeze":
-        dims = _arg(node, 1, "dim")
-        if dims is None:
-            removed = [i for i, s in enumerate(in_shape) if s == 1]
-        else:
-            dims = dims if isinstance(dims, (list, tuple)) else [dims]
-            removed = [_norm(i, rank_in) for i in dims if in_shape[_norm(i, rank_in)] == 1]
-        return Split(d - sum(1 for i in removed if i < d), inner)
-    if name == "select":
-        dim = _norm(node.args[1], rank_in)
-        return Barrier("select along the chunked dimension") if dim == d else Split(d - (1 if dim < d else 0), inner)
-    if name in ("slice", "narrow"):
-        dim = _norm(_arg(node, 1, "dim", 0), rank_in)
-        if dim != d:
-            return sx
-        if in_shape == out_shape and (name == "narrow" or _arg(node, 4, "step", 1) == 1):
-            return sx  # a full slice
-        return Barrier("slice along the chunked dimension")
-    return Barrier(f"{name} of the chunked dimension")
-
-
-def _index_add(node: torch.fx.Node, st, is_zero) -> RuleResult:
-    base, dim, index, source = node.args[0], node.args[1], node.args[2], node.args[3]
-    rank = len(_shape(base))
-    dim = _norm(dim, rank)
-    sb, si, ss = st(base), st(index), st(source)
-    if isinstance(ss, Split) and ss.dim == dim and isinstance(si, Split) and si.dim == 0 and si.inner == ss.inner:
-        if isinstance(sb, Replicated) and is_zero(base):
-            return Partial("sum")
-        if isinstance(sb, Partial) and sb.kind == "sum":
-            return Partial("sum")
-        if _accumulates_into(node, base, sb):
-            return Partial("inplace")
-        return Barrier("index_add of sliced rows into a non-zero base")
-    if isinstance(si, Replicated):
-        return _same_dim_all(node, st, [base, source], dim, None)
-    return Barrier("index_add along the chunked dimension")
-
-
-def _index(node: torch.fx.Node, st, out_shape) -> RuleResult:
-    base, indices = node.args[0], node.args[1]
-    real = [(p, i) for p, i in enumerate(indices) if i is not None]
-    if len(real) != 1:
-        return Barrier("advanced indexing with several index tensors")
-    p, idx = real[0]
-    sb, si = st(base), st(idx)
-    if isinstance(sb, Partial) or isinstance(si, Partial):
-        return Barrier("indexing a partial")
-    if isinstance(si, Split) and isinstance(sb, Replicated):
-        return Split(p + si.dim, si.inner)
-    if isinstance(sb, Split) and isinstance(si, Replicated) and sb.dim != p:
-        idx_rank = len(_shape(idx))
-        return Split(sb.dim if sb.dim < p else sb.dim - 1 + idx_rank, sb.inner)
-    return Barrier("indexing along the chunked dimension")
-
-
-def _index_put(node: torch.fx.Node, st, is_zero) -> RuleResult:
-    base, indices, values = node.args[0], node.args[1], node.args[2]
-    accumulate = bool(_arg(node, 3, "accumulate", False))
-    real = [i for i in indices if i is not None]
-    if len(real) != 1 or not accumulate or indices[0] is None:
-        return Barrier("index_put other than an accumulation at dim 0")
-    si, sv, sb = st(real[0]), st(values), st(base)
-    if isinstance(si, Split) and isinstance(sv, Split) and si.dim == sv.dim == 0 and si.inner == sv.inner:
-        if isinstance(sb, Replicated) and is_zero(base) or isinstance(sb, Partial) and sb.kind == "sum":
-            return Partial("sum")
-        if _accumulates_into(node, base, sb):
-            return Partial("inplace")
-    return Barrier("index_put of sliced values into a non-zero base")
-
-
-def _accumulates_into(node: torch.fx.Node, base: Any, state: State) -> bool:
-    """An in-place scatter-add of sliced values into a replicated tensor nothing else reads: every chunk
-    adds its part into the same tensor, which holds the full result after the last chunk
-    (``Partial("inplace")``: no combine, and no op in the region may read it)."""
-    return packet_name(node).endswith("_") and isinstance(state, Replicated) and len(base.users) == 1
-
-
-# ----------------------------------------------------------------------------------------------
-# small graph helpers shared with the rewrite pass
-
-
-_ALIAS_OPS = {"view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "unsqueeze", "squeeze",
-              "select", "slice", "narrow", "alias", "detach", "as_strided", "diagonal", "unbind", "split",
-              "split_with_sizes", "chunk", "unfold", "view_as", "_reshape_alias", "lift_fresh"}
-
-
-def _owned_by(node: torch.fx.Node, members: set[torch.fx.Node]) -> bool:
-    """``node`` is a value created inside ``members`` (following views back to a non-view op)."""
-    while node in members:
-        if packet_name(node) in _ALIAS_OPS or node.target is operator.getitem and packet_name(node.args[0]) in _ALIAS_OPS:
-            node = node.args[0]
-            continue
-        return True
-    return False
-
-
-def stable_toposort(graph: torch.fx.Graph, priority: Mapping[torch.fx.Node, float]) -> None:
-    """Reorder ``graph`` topologically, keeping nodes in ``priority`` order wherever dependencies allow.
-
-    Raises ``ValueError`` when the graph has a cycle.
-    """
-    nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
-    output = next(n for n in graph.nodes if n.op == "output")
-    position = {n: i for i, n in enumerate(graph.nodes)}
-    members = set(nodes)
-    indegree = {n: sum(1 for a in set(n.all_input_nodes) if a in members) for n in nodes}
-    ready = [(priority.get(n, position[n]), position[n], n.name, n) for n in nodes if indegree[n] == 0]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        *_, node = heapq.heappop(ready)
-        order.append(node)
-        for user in set(node.users):
-            if user in members:
-                indegree[user] -= 1
-                if indegree[user] == 0:
-                    heapq.heappush(ready, (priority.get(user, position[user]), position[user], user.name, user))
-    if len(order) != len(nodes):
-        raise ValueError("the edited graph has a cycle")
-    for node in order:
-        output.prepend(node)
-
-
-def copy_graph(graph: CapturedGraph, compile: bool = True) -> CapturedGraph:
-    """A copy of ``graph`` with a fresh fx graph (same node names, shallow ``meta``, shared submodules).
-
-    With ``compile=False`` the module's code is not generated (for graphs that are only analysed);
-    :func:`finish_module` generates it later.
-    """
-    new = torch.fx.Graph()
-    value_map: dict[torch.fx.Node, torch.fx.Node] = {}
-    out = new.graph_copy(graph.gm.graph, value_map)
-    new.output(out)
-    new.set_codegen(graph.gm.graph._codegen)  # loop bodies use boxed calling
-    return dataclasses.replace(graph, gm=_graph_module(graph.gm, new, type(graph.gm).__name__, compile))
-
-
-def _graph_module(root: torch.nn.Module, graph: torch.fx.Graph, class_name: str, compile: bool) -> torch.fx.GraphModule:
-    if compile:
-        return torch.fx.GraphModule(root, graph, class_name=class_name)
-    gm = torch.fx.GraphModule(root, torch.fx.Graph(), class_name=class_name)
-    for node in graph.nodes:
-        if node.op in ("call_module", "get_attr") and not hasattr(gm, node.target):
-            setattr(gm, node.target, getattr(root, node.target))
-    gm._graph = graph  # code is generated by finish_module
-    return gm
-
-
-def finish_module(gm: torch.fx.GraphModule) -> None:
-    """Generate the code of a module built with ``compile=False`` (and of its loop bodies)."""
-    gm.recompile()
-    for module in gm.modules():
-        if isinstance(module, torch.fx.GraphModule) and module is not gm:
-            module.recompile()
-
-
-def fake_mode_of(graph: torch.fx.Graph):
-    for node in graph.nodes:
-        for value in pytree.tree_leaves(node.meta.get("val")):
-            mode = getattr(value, "fake_mode", None)
-            if mode is not None:
-                return mode
-    raise ValueError("the graph has no fake values")
-
-
-def _fake_call(target: Callable[..., Any], args: tuple, kwargs: dict, mode) -> Any:
-    def to_val(a: Any) -> Any:
-        return a.meta["val"] if isinstance(a, torch.fx.Node) else a
-
-    with mode:
-        return target(*pytree.tree_map(to_val, args), **pytree.tree_map(to_val, kwargs))
-
-
-# ----------------------------------------------------------------------------------------------
-# a region's backward
-
-
-@dataclasses.dataclass(frozen=True)
-class RegionBackward:
-    """The backward of a forward region: its nodes, the gradients it reads, the values it hands on.
-
-    ``nodes`` are the backward nodes whose sequence number is one of the region's, plus the
-    accumulations that lie between them; ``grad_inputs`` are backward values (or tangents) they read
-    from outside; ``grad_outputs`` are those of ``nodes`` read by something else.
-    """
-
-    nodes: tuple[str, ...]
-    grad_inputs: tuple[str, ...]
-    grad_outputs: tuple[str, ...]
-
-
-def region_backward(graph: CapturedGraph, region: Iterable[str]) -> RegionBackward | None:
-    """Find the backward of ``region`` by autograd sequence numbers and dataflow; None when ambiguous.
-
-    Backward nodes carry the sequence number of the forward op whose derivative they compute. Two
-    things blur that: gradient accumulations (``add`` of two backward values) carry a stale number, and
-    forward ops that need no gradient share the number of the op before them. So the backward is
-    grown from the nodes whose number belongs to the region alone: accumulations join when they lie
-    between two of its nodes, nodes with a shared number when they are next to one; a node with a
-    shared number that joins nothing makes the answer ambiguous.
-
-    Examples
-    --------
-    >>> import torch
-    >>> from memplan.capture import capture
-    >>> g = capture(lambda x: (x * 2).exp(), torch.randn(3, requires_grad=True))
-    >>> exp = next(n.name for n in g.gm.graph.nodes if n.name.startswith("exp"))
-    >>> rb = region_backward(g, [exp]); len(rb.nodes) >= 1, len(rb.grad_outputs)
-    (True, 1)
-    """
-    region = set(region)
-    if not graph.training:
-        return RegionBackward((), (), ())
-    # autograd's own aliases of a region value (the ``detach`` made to save it) belong to the region
-    for node in graph.gm.graph.nodes:
-        if node.target is torch.ops.aten.detach.default and node.args[0].name in region:
-            if graph.phases.get(node.name) is Phase.FORWARD:
-                region.add(node.name)
-    seqs = {graph.seq_nr[n] for n in region if n in graph.seq_nr}
-    shared = set()
-    for node in graph.gm.graph.nodes:
-        if node.op == "call_function" and graph.phases.get(node.name) is Phase.FORWARD and node.name not in region:
-            if graph.seq_nr.get(node.name) in seqs:
-                shared.add(graph.seq_nr[node.name])
-    backward = [n for n in graph.gm.graph.nodes if n.op == "call_function" and graph.phases.get(n.name) is Phase.BACKWARD]
-
-    def accumulation(node: torch.fx.Node) -> bool:
-        return node.target is torch.ops.aten.add.Tensor and all(
-            graph.phases.get(a.name) is not Phase.FORWARD for a in node.all_input_nodes
-        )
-
-    members = {n for n in backward if graph.seq_nr.get(n.name) in seqs - shared and not accumulation(n)}
-    pending_shared = {n for n in backward if graph.seq_nr.get(n.name) in shared and not accumulation(n)}
-    glue = {n for n in backward if accumulation(n) and n not in members}
-    changed = True
-    while changed:
-        changed = False
-        below = _reach(members, lambda n: n.users, graph)
-        above = _reach(members, lambda n: n.all_input_nodes, graph)
-        for node in sorted(glue | pending_shared, key=lambda n: n.name):
-            between = node in below and node in above
-            adjacent = node in pending_shared and (
-                any(a in members for a in node.all_input_nodes) or any(u in members for u in node.users)
-            )
-            if between or adjacent:
-                members.add(node)
-                glue.discard(node)
-                pending_shared.discard(node)
-                changed = True
-    if pending_shared:
-        return None
-    ordered = [n for n in backward if n in members]
-    tangents = {s.node for s in graph.inputs if s.kind == "tangent"}
-    grad_inputs, grad_outputs = [], []
-    for node in ordered:
-        for arg in node.all_input_nodes:
-            if arg in members or arg.name in grad_inputs:
-                continue
-            if graph.phases.get(arg.name) is Phase.BACKWARD or arg.name in tangents:
-                grad_inputs.append(arg.name)
-        if any(u not in members for u in node.users):
-            grad_outputs.append(node.name)
-    return RegionBackward(tuple(n.name for n in ordered), tuple(grad_inputs), tuple(grad_outputs))
-
-
-def _reach(start: set[torch.fx.Node], step, graph: CapturedGraph) -> set[torch.fx.Node]:
-    """Backward nodes reachable from ``start`` (excluded) by ``step``."""
-    seen: set[torch.fx.Node] = set()
-    stack = list(start)
-    while stack:
-        for nxt in step(stack.pop()):
-            if nxt not in seen and graph.phases.get(nxt.name) is Phase.BACKWARD:
-                seen.add(nxt)
-                stack.append(nxt)
-    return seen
 
 
 # ----------------------------------------------------------------------------------------------
@@ -897,7 +175,7 @@ def _relabelable(node: torch.fx.Node, state: Split, st: Callable[[Any], State]) 
         src = node.args[0]
         if not isinstance(st(src), Replicated):
             return False
-        out_rank, in_shape = len(_shape(node)), _shape(src)
+        out_rank, in_shape = len(shape_of(node)), shape_of(src)
         aligned = state.dim - (out_rank - len(in_shape))
         return aligned < 0 or in_shape[aligned] == 1
     return False
@@ -907,10 +185,10 @@ def _is_zero_factory(node: Any) -> bool:
     if not isinstance(node, torch.fx.Node):
         return False
     name = packet_name(node)
-    if name in _ZERO_PRODUCERS:
+    if name in ZERO_PRODUCERS:
         return True
     if name in ("full", "new_full"):
-        return _arg(node, 1 if name == "full" else 2, "fill_value", None) == 0
+        return arg_of(node, 1 if name == "full" else 2, "fill_value", None) == 0
     return False
 
 
@@ -953,7 +231,7 @@ def _flood_forward(order: Sequence[torch.fx.Node], seeds: Mapping[torch.fx.Node,
                 continue
             if not any(a in states or a in slices for a in inputs):
                 continue
-            foreign = [m for m in mutated_args(node) if not _owned_by(m, set(states))]
+            foreign = [m for m in mutated_args(node) if not owned_by(m, set(states))]
             if foreign and all(packet_name(m) in _RELABEL_FACTORIES and m not in pulled for m in foreign):
                 pulled.update(foreign)
                 restart = True
@@ -1011,7 +289,7 @@ def _flood_backward(order: Sequence[torch.fx.Node], fixed: Mapping[torch.fx.Node
                 continue
             mutated = mutated_args(node)
             result = chunk_rule(node, st, _is_zero_factory)
-            if any(m in slices or not _owned_by(m, members) and result != Partial("inplace") for m in mutated):
+            if any(m in slices or not owned_by(m, members) and result != Partial("inplace") for m in mutated):
                 return _Flood(states, slices, relabel, set(), failed=node)
             if isinstance(result, Need):
                 target, want = result.node, result.state
@@ -1112,7 +390,7 @@ def _analyse(graph: CapturedGraph, seeds: Mapping[str, Split], label: str) -> Ch
     gm = graph.gm
     by_name = {n.name: n for n in gm.graph.nodes}
     seed_nodes = {by_name[k]: v for k, v in seeds.items()}
-    units = {(_shape(n)[s.dim] // s.inner) for n, s in seed_nodes.items()}
+    units = {(shape_of(n)[s.dim] // s.inner) for n, s in seed_nodes.items()}
     if len(units) != 1 or next(iter(units)) < 2:
         return None
     (n_units,) = units
@@ -1124,7 +402,7 @@ def _analyse(graph: CapturedGraph, seeds: Mapping[str, Split], label: str) -> Ch
         region = [n for n in forward_order if n in flood.states]
         if not any(_carries(flood.states[n]) for n in region):
             return None
-        if any(_shape(n)[s.dim] != n_units * s.inner for n, s in flood.slices.items()):
+        if any(shape_of(n)[s.dim] != n_units * s.inner for n, s in flood.slices.items()):
             return None
         rb = region_backward(graph, [n.name for n in region])
         if rb is None:
@@ -1162,7 +440,7 @@ def _finish_region(graph, label, n_units, region, flood: _Flood, border, back: _
         for node in list(body):
             for target in mutated_args(node):
                 chain = [target]
-                while packet_name(chain[-1]) in _ALIAS_OPS and chain[-1].args:
+                while packet_name(chain[-1]) in ALIAS_OPS and chain[-1].args:
                     chain.append(chain[-1].args[0])
                 for member in chain:
                     if member in set(border) and member not in body_set:
@@ -1229,12 +507,12 @@ def _with_saved(graph: CapturedGraph, region: ChunkRegion, fraction: float) -> C
     states = dict(region.forward)
     region_set = set(forward)
     body = [by_name[name] for name, _ in region.backward]
-    largest = max((_bytes(n) for n in forward), default=0)
+    largest = max((nbytes(n) for n in forward), default=0)
     outputs = {by_name[o] for o in region.outputs}
     direct = {a for n in body for a in n.all_input_nodes if a in region_set and a not in outputs}
     small = {
         a for a in direct
-        if isinstance(states[a.name], Split) and _bytes(a) <= fraction * largest and packet_name(a) not in _ALIAS_OPS
+        if isinstance(states[a.name], Split) and nbytes(a) <= fraction * largest and packet_name(a) not in ALIAS_OPS
     }  # views cost nothing to recompute, and saving one would copy it
     if not small:
         return None
@@ -1248,353 +526,6 @@ def _with_saved(graph: CapturedGraph, region: ChunkRegion, fraction: float) -> C
         return None
     saved = tuple(n.name for n in forward if n in small)
     return dataclasses.replace(region, saved=saved, recompute=tuple(n.name for n in recompute_list))
-
-
-def _bytes(node: torch.fx.Node) -> int:
-    total = 0
-    for value in pytree.tree_leaves(node.meta.get("val")):
-        if isinstance(value, torch.Tensor):
-            total += value.numel() * value.element_size()
-    return total
-
-
-# ----------------------------------------------------------------------------------------------
-# loop bodies and the loop module
-
-_SIZE_ARG = {"view": 1, "_unsafe_view": 1, "reshape": 1, "expand": 1, "new_zeros": 1, "new_ones": 1, "new_empty": 1,
-             "new_full": 1, "new_empty_strided": 1, "zeros": 0, "ones": 0, "empty": 0, "full": 0, "empty_strided": 0,
-             "slice_backward": 1, "select_backward": 1}
-
-
-def _restride(shape: Sequence[int], stride: Sequence[int], new_shape: Sequence[int]) -> list[int]:
-    """Dense strides for ``new_shape`` with the dimension order that ``stride`` has for ``shape``."""
-    order = sorted(range(len(shape)), key=lambda i: (-stride[i], -i))
-    out = [0] * len(shape)
-    step = 1
-    for i in reversed(order):
-        out[i] = step
-        step *= max(new_shape[i], 1)
-    return out
-
-
-def _chunk_args(node: torch.fx.Node, state: State, units: int) -> tuple[tuple, dict]:
-    """``node``'s arguments for a chunk of ``units`` units: size arguments shrink on the split dimension."""
-    args, kwargs = list(node.args), dict(node.kwargs)
-    if not isinstance(state, Split):
-        return tuple(args), kwargs
-    name = packet_name(node)
-    d, length = state.dim, units * state.inner
-    if name in _SIZE_ARG:
-        i = _SIZE_ARG[name]
-        sizes = list(args[i]) if i < len(args) else list(kwargs["size"])
-        full = list(sizes)
-        if sizes[d] != -1:
-            sizes[d] = length
-        if i < len(args):
-            args[i] = sizes
-        else:
-            kwargs["size"] = sizes
-        if name in ("new_empty_strided", "empty_strided"):
-            args[i + 1] = _restride(full, args[i + 1], sizes)
-    elif name == "slice" and _norm(_arg(node, 1, "dim", 0), len(_shape(node.args[0]))) == d:
-        if len(args) > 3:
-            args[3] = sys.maxsize
-    elif name == "narrow" and _norm(args[1], len(_shape(node.args[0]))) == d:
-        args[3] = length
-    return tuple(args), kwargs
-
-
-def _narrow_fake(value: torch.Tensor, state: Split, units: int, mode) -> torch.Tensor:
-    with mode:
-        return value.narrow(state.dim, 0, units * state.inner)
-
-
-def _build_body(
-    nodes: Sequence[torch.fx.Node],
-    inputs: Sequence[tuple[torch.fx.Node, State]],
-    outputs: Sequence[tuple[torch.fx.Node, int | None]],
-    states: Mapping[torch.fx.Node, State],
-    units: int,
-    mode,
-    compile: bool = True,
-    accumulators: Sequence[torch.fx.Node] = (),
-) -> torch.fx.GraphModule:
-    """An fx module computing ``outputs`` of one chunk of ``units`` units from chunk-sized ``inputs``.
-
-    ``outputs`` are ``(node, index)`` pairs: ``index`` picks an item of a tuple value. The zero
-    tensors in ``accumulators`` are not created per chunk: they are extra inputs (the loop's own
-    accumulators) that the body adds into in place.
-    """
-    graph = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
-    for i, (node, state) in enumerate(inputs):
-        placeholder = graph.placeholder(f"{node.name}_in")
-        value = node.meta["val"]
-        placeholder.meta["val"] = _narrow_fake(value, state, units, mode) if isinstance(state, Split) else value
-        env[node] = placeholder
-    for node in accumulators:
-        placeholder = graph.placeholder(f"{node.name}_acc")
-        placeholder.meta["val"] = node.meta["val"]
-        env[node] = placeholder
-    for node in nodes:
-        if node in env:
-            continue
-        if node.target in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
-            env[node] = env[node.args[0]]  # no-ops outside autograd: one Python call less per chunk
-            continue
-        args, kwargs = _chunk_args(node, states.get(node, REP), units)
-        args = torch.fx.node.map_arg(args, env.__getitem__)
-        kwargs = torch.fx.node.map_arg(kwargs, env.__getitem__)
-        new = graph.call_function(node.target, args, kwargs, name=node.name)
-        new.meta["val"] = _fake_call(node.target, args, kwargs, mode)
-        env[node] = new
-    results = []
-    for node, index in outputs:
-        value = env[node]
-        if index is not None:
-            item = graph.call_function(operator.getitem, (value, index))
-            item.meta["val"] = value.meta["val"][index]
-            value = item
-        results.append(value)
-    graph.output(tuple(results))
-    graph.set_codegen(_BoxedCodeGen())
-    return _graph_module(torch.nn.Module(), graph, "ChunkBody", compile)
-
-
-@dataclasses.dataclass(frozen=True)
-class LoopInput:
-    """How the loop hands an input to each chunk: a slice on ``dim`` (None: the whole tensor)."""
-
-    dim: int | None = None
-    inner: int = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class LoopOutput:
-    """How the chunks' values combine: ``"cat"`` on ``dim``, ``"sum"``, ``"mean"``, ``"lse"``, ``"max"``,
-    ``"min"``, ``"nll_mean"`` (weighted by output ``partner``, a hidden sum), ``"first"``, or
-    ``"inplace"`` (the bodies scatter-add into one zero accumulator the loop passes them)."""
-
-    kind: str
-    dim: int = 0
-    inner: int = 1
-    shape: tuple[int, ...] = ()
-    stride: tuple[int, ...] = ()
-    partner: int = -1
-    public: bool = True
-    dtype: torch.dtype = torch.float32
-    same_as: int = -1  # the body returns the same tensor as output ``same_as``: reuse its result
-    steps: tuple = ()  # ``"inplace"``: the view ops from the accumulator to the output
-    alias_of: int = -1  # the output is loop input ``alias_of``, added into in place by every chunk
-    acc_shape: tuple[int, ...] = ()  # ``"inplace"``: the zero accumulator the body adds into
-
-
-@dataclasses.dataclass(frozen=True)
-class LoopSpec:
-    units: int
-    chunk: int
-    inputs: tuple[LoopInput, ...]
-    outputs: tuple[LoopOutput, ...]
-    scratch: int  # bytes a chunk's body needs at its peak
-
-    @property
-    def chunks(self) -> int:
-        return -(-self.units // self.chunk)
-
-
-def _overlaps(t: torch.Tensor) -> bool:
-    return torch._debug_has_internal_overlap(t) != 0
-
-
-class ChunkLoop(torch.nn.Module):
-    """Runs fx bodies chunk by chunk and combines their outputs (see :class:`LoopOutput`).
-
-    Returns the public outputs and, last, an empty tensor standing for the scratch memory a chunk
-    uses (its fake value in the graph has the scratch's size, so the peak simulation counts it).
-    """
-
-    def __init__(self, spec: LoopSpec, bodies: Mapping[int, torch.fx.GraphModule]):
-        super().__init__()
-        self.spec = spec
-        self.bodies = torch.nn.ModuleDict({str(k): v for k, v in sorted(bodies.items())})
-        self._runners: dict[int, Callable] | None = None
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_runners"] = None
-        return state
-
-    def extra_repr(self) -> str:
-        return f"units={self.spec.units}, chunk={self.spec.chunk}, chunks={self.spec.chunks}"
-
-    def _runner(self, length: int) -> Callable:
-        if self._runners is None:
-            from memplan.emit import fast_callable
-
-            self._runners = {int(k): fast_callable(body) for k, body in self.bodies.items()}
-        return self._runners[length]
-
-    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        spec = self.spec
-        results: list[Any] = [None] * len(spec.outputs)
-        device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
-        accumulators = [
-            torch.zeros(out.acc_shape, dtype=out.dtype, device=device) for out in spec.outputs if out.kind == "inplace"
-        ]
-        for k in range(spec.chunks):
-            start = k * spec.chunk
-            length = min(spec.chunk, spec.units - start)
-            chunk_args = [
-                a if s.dim is None else a.narrow(s.dim, start * s.inner, length * s.inner) for a, s in zip(args, spec.inputs)
-            ]
-            outs = self._runner(length)(chunk_args + accumulators)
-            for i, out in enumerate(spec.outputs):
-                if out.same_as < 0 and out.kind != "inplace":
-                    results[i] = self._combine(results[i], outs[i], out, start, length, outs)
-            outs = chunk_args = None  # drop this chunk's values before the next chunk runs
-        for i, out in enumerate(spec.outputs):
-            if out.kind == "nll_mean":
-                partner = spec.outputs[out.partner].same_as if spec.outputs[out.partner].same_as >= 0 else out.partner
-                results[i] = results[i] / results[partner]
-        inplace = iter(accumulators)
-        for i, out in enumerate(spec.outputs):
-            if out.kind == "inplace":
-                value = next(inplace)
-                for target, rest, kwargs in out.steps:
-                    value = target(value, *rest, **kwargs)
-                results[i] = value
-        for i, out in enumerate(spec.outputs):
-            if out.same_as >= 0:
-                results[i] = results[out.same_as]
-        public = [r for r, out in zip(results, spec.outputs) if out.public]
-        return (*public, torch.empty(0, dtype=torch.uint8, device=device))
-
-    def _combine(self, acc: Any, value: torch.Tensor, out: LoopOutput, start: int, length: int, outs) -> Any:
-        kind = out.kind
-        if kind == "cat":
-            if acc is None:
-                acc = torch.empty_strided(out.shape, out.stride, dtype=value.dtype, device=value.device)
-            acc.narrow(out.dim, start * out.inner, length * out.inner).copy_(value)
-            return acc
-        if kind == "first":
-            return value if acc is None else acc
-        if kind == "nll_mean":
-            value = value * outs[out.partner]  # the partner's chunk value (same tensor as its twin's)
-            kind = "sum"
-        if kind == "mean":
-            weight = length / self.spec.units
-            if acc is None:
-                return value * weight
-            return acc.add_(value, alpha=weight)
-        if acc is None:
-            return value.clone() if _overlaps(value) else value
-        if kind == "sum":
-            return acc.add_(value)
-        if kind == "lse":
-            return torch.logaddexp(acc, value, out=acc)
-        if kind == "max":
-            return torch.maximum(acc, value, out=acc)
-        if kind == "min":
-            return torch.minimum(acc, value, out=acc)
-        raise ValueError(f"unknown combine {kind!r}")
-
-    def cost(self, rates: "CostRates") -> float:
-        total = 0.0
-        for k in range(self.spec.chunks):
-            length = min(self.spec.chunk, self.spec.units - k * self.spec.chunk)
-            total += _module_cost(self.bodies[str(length)], rates) + rates.chunk_seconds
-        return total
-
-
-# ----------------------------------------------------------------------------------------------
-# cost model
-
-
-@dataclasses.dataclass(frozen=True)
-class CostRates:
-    """A roofline-style estimate of an op's time: FLOPs at ``flops`` per second, bytes read and written
-    at ``bandwidth`` bytes per second (``cache_bandwidth`` when the op's operands and result together
-    fit in ``cache_bytes``: a chunk's working set stays in cache, a whole-batch tensor streams from
-    memory), plus a fixed overhead per op (``dispatch`` for ops that compute, ``view_dispatch`` for
-    views, which allocate nothing) and ``chunk_seconds`` per chunk of a loop. The defaults are a modest
-    2-core CPU: overheads measured on fx code running tiny tensors (about 3 us per op, 1 us per view),
-    and a cache advantage of 1.5x (chain product: its chunked forward ran in 34 ms where eager's took
-    46 ms). Only ratios matter: the policy compares extra compute with the original."""
-
-    flops: float = 50e9
-    bandwidth: float = 10e9
-    cache_bandwidth: float = 15e9
-    cache_bytes: int = 2**20
-    dispatch: float = 3e-6
-    view_dispatch: float = 1e-6
-    chunk_seconds: float = 10e-6
-
-
-_NO_TRAFFIC = _ALIAS_OPS | {"getitem", "_unsafe_view", "empty", "new_empty", "new_empty_strided", "empty_strided"}
-
-
-def _node_cost(node: torch.fx.Node, rates: CostRates) -> float:
-    name = packet_name(node)
-    if node.target is operator.getitem:
-        return 0.0
-    flops = 0
-    if name in ("mm", "addmm", "bmm", "baddbmm"):
-        a, b = (node.args[0], node.args[1]) if name in ("mm", "bmm") else (node.args[1], node.args[2])
-        sa, sb = _shape(a), _shape(b)
-        if len(sa) >= 2 and len(sb) >= 2:
-            flops = 2 * math.prod(sa) * sb[-1]
-    elif name == "convolution":
-        weight = _shape(node.args[1])
-        flops = 2 * max(_bytes(node) // 4, 1) * math.prod(weight[1:]) if weight else 0
-    if name in _NO_TRAFFIC:
-        return rates.view_dispatch
-    traffic = _bytes(node) + sum(_bytes(a) for a in node.all_input_nodes if _is_tensor(a))
-    bandwidth = rates.cache_bandwidth if traffic <= rates.cache_bytes else rates.bandwidth
-    return flops / rates.flops + traffic / bandwidth + rates.dispatch
-
-
-def _module_cost(gm: torch.fx.GraphModule, rates: CostRates) -> float:
-    total = 0.0
-    for node in gm.graph.nodes:
-        if node.op == "call_function":
-            total += _node_cost(node, rates)
-        elif node.op == "call_module":
-            module = gm.get_submodule(node.target)
-            total += module.cost(rates) if isinstance(module, ChunkLoop) else rates.dispatch
-    return total
-
-
-def graph_cost(graph: CapturedGraph, rates: CostRates | None = None) -> float:
-    """Estimated seconds to run ``graph`` once (see :class:`CostRates`)."""
-    return _module_cost(graph.gm, rates or CostRates())
-
-
-# ----------------------------------------------------------------------------------------------
-# apply
-
-
-def _body_peak(body: torch.fx.GraphModule) -> int:
-    """Simulated peak of one run of a loop body (its inputs are views of existing tensors)."""
-    return AnalysisManager(_body_graph(body)).get(PeakSimulation).peak
-
-
-def _body_graph(body: torch.fx.GraphModule) -> CapturedGraph:
-    """A loop body as an inference graph, so that analyses (and the pass itself) run on it."""
-    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-    n_out = len(next(n for n in body.graph.nodes if n.op == "output").args[0])
-    return CapturedGraph(
-        gm=body,
-        training=False,
-        phases={n.name: Phase.FORWARD for n in body.graph.nodes if n.op == "call_function"},
-        sources={},
-        seq_nr={},
-        inputs=tuple(InputSpec(p.name, "input", p.name, False) for p in placeholders),
-        outputs=tuple(OutputSpec(None, "output", f"out[{i}]") for i in range(n_out)),
-        in_spec=pytree.tree_flatten(((), {}))[1],
-        out_spec=pytree.tree_flatten(None)[1],
-        seed="sum",
-        lifetimes="graph",
-    )
 
 
 def _external_inputs(nodes: Sequence[torch.fx.Node]) -> list[torch.fx.Node]:
@@ -1626,7 +557,7 @@ def _accumulation(output: torch.fx.Node, nodes: Sequence[torch.fx.Node], outputs
     members = set(nodes)
     chain = []
     node = output
-    while packet_name(node) in _ALIAS_OPS and node in members:
+    while packet_name(node) in ALIAS_OPS and node in members:
         chain.append(node)
         node = node.args[0]
     if packet_name(node) not in _SCATTER_ADDS or node not in members:
@@ -1701,11 +632,11 @@ def _make_loops(
         lengths = sorted({size, region.units - (chunks - 1) * size})
         for length in lengths:
             if length not in built:
-                built[length] = _build_body(nodes, inputs, body_outputs, states, length, mode, compile, accumulators)
+                built[length] = build_body(nodes, inputs, body_outputs, states, length, mode, compile, accumulators)
                 if inner and length in inner:
-                    built[length] = apply_chunk(_body_graph(built[length]), inner[length], compile).gm
+                    built[length] = apply_chunk(body_graph(built[length]), inner[length], compile).gm
         bodies = {length: built[length] for length in lengths}
-        scratch = max(_body_peak(b) for b in bodies.values())
+        scratch = max(body_peak(b) for b in bodies.values())
         spec = LoopSpec(region.units, size, loop_inputs, tuple(specs), scratch)
         loops[size] = ChunkLoop(spec, bodies)
     return loops, specs
@@ -1765,7 +696,7 @@ def _apply_region(graph: CapturedGraph, region: ChunkRegion, compile: bool):
     bset = set(body)
     state = {"phases": dict(graph.phases), "sources": dict(graph.sources), "seq_nr": dict(graph.seq_nr)}
     seq = max([s for s in graph.seq_nr.values() if s < 2**62] + [0]) + 1
-    anchor = max(forward, key=lambda n: (_bytes(n), -original[n]))
+    anchor = max(forward, key=lambda n: (nbytes(n), -original[n]))
     inner = {loop: {length: plan for kind, length, plan in region.inner if kind == loop} for loop in ("forward", "backward")}
     fstates = {src[n]: s for n, s in region.forward}
     sources = {src[n]: s for n, s in region.sources}
@@ -1853,17 +784,6 @@ def _use_loops(graph: CapturedGraph, swap: Sequence[tuple[torch.fx.Node, ChunkLo
             node.meta["val"] = (*value[:-1], torch.empty(loop.spec.scratch, dtype=torch.uint8, device=scratch.device))
 
 
-def refresh_aliases(graph: torch.fx.Graph, starts: Sequence[torch.fx.Node], mode) -> None:
-    """Recompute the fake values of views (and in-place results) downstream of ``starts``, in order."""
-    dirty = set(starts)
-    for node in graph.nodes:
-        if node.op != "call_function" or not any(a in dirty for a in node.all_input_nodes):
-            continue
-        aliasing = packet_name(node) in _ALIAS_OPS or node.target is operator.getitem or bool(mutated_args(node))
-        if aliasing:
-            node.meta["val"] = _fake_call(node.target, node.args, node.kwargs, mode)
-            dirty.add(node)
-
 
 def apply_chunk(graph: CapturedGraph, plan: ChunkPlan, compile: bool = True) -> CapturedGraph:
     """Apply every region of ``plan`` in order (a new graph; ``graph`` is not modified)."""
@@ -1941,12 +861,12 @@ def _inverse(node: torch.fx.Node, state: Split) -> list[tuple[torch.fx.Node, Spl
         op, index = node.args[0], node.args[1]
         if not isinstance(op, torch.fx.Node) or op.op != "call_function":
             return []
-    units = _shape(node)[state.dim] // state.inner
-    for p in dict.fromkeys(a for a in op.all_input_nodes if _is_tensor(a)):
-        shape = _shape(p)
+    units = shape_of(node)[state.dim] // state.inner
+    for p in dict.fromkeys(a for a in op.all_input_nodes if is_tensor(a)):
+        shape = shape_of(p)
         options: list[Split] = []
-        if packet_name(op) in _VIEW_OPS:
-            mapped = map_view(_shape(op), shape, state)
+        if packet_name(op) in VIEW_OPS:
+            mapped = map_view(shape_of(op), shape, state)
             options = [mapped] if mapped is not None else []
         else:
             options = [Split(e, state.inner) for e, size in enumerate(shape) if size == units * state.inner]
@@ -1989,14 +909,14 @@ def _sources(graph: CapturedGraph, node: torch.fx.Node, state: Split) -> dict[st
 
 def _seed_sets(graph: CapturedGraph, options: ChunkOptions) -> list[tuple[str, dict[str, Split]]]:
     forward = [n for n in graph.gm.graph.nodes if n.op == "call_function" and graph.phases.get(n.name) is Phase.FORWARD]
-    sized = sorted((n for n in forward if _is_tensor(n)), key=lambda n: (-_bytes(n), n.name))
+    sized = sorted((n for n in forward if is_tensor(n)), key=lambda n: (-nbytes(n), n.name))
     seeds: dict[frozenset, tuple[str, dict[str, Split]]] = {}
     if sized:
-        largest = _bytes(sized[0])
+        largest = nbytes(sized[0])
         for node in sized[: options.seed_nodes]:
-            if _bytes(node) < options.seed_fraction * largest:
+            if nbytes(node) < options.seed_fraction * largest:
                 break
-            for d, size in enumerate(_shape(node)):
+            for d, size in enumerate(shape_of(node)):
                 if size < 2:
                     continue
                 found = _sources(graph, node, Split(d))
@@ -2007,7 +927,7 @@ def _seed_sets(graph: CapturedGraph, options: ChunkOptions) -> list[tuple[str, d
         if spec.kind != "input":
             continue
         node = graph.node(spec.node)
-        for d, size in enumerate(_shape(node)):
+        for d, size in enumerate(shape_of(node)):
             if size >= 2:
                 found = {node.name: Split(d)}
                 seeds.setdefault(frozenset(found.items()), (f"dim {d} of {spec.path}", found))
@@ -2020,11 +940,11 @@ def _potential(graph: CapturedGraph, region: ChunkRegion, tensors: Tensors) -> i
     by_name = {n.name: n for n in graph.gm.graph.nodes}
     keep = set(region.outputs) | {n for n, _ in region.sources}
     inside = [n for n, _ in region.forward if n not in keep] + [n for n, _ in region.backward if n not in region.backward_outputs]
-    freed = max((_bytes(by_name[n]) for n in inside), default=0)
+    freed = max((nbytes(by_name[n]) for n in inside), default=0)
     held = 0
     for name, _ in list(region.sources) + list(region.backward_slices):
         if any(not tensors.storages[sid].external for sid in tensors.storages_of(name)):
-            held = max(held, _bytes(by_name[name]))
+            held = max(held, nbytes(by_name[name]))
     return freed - held
 
 
@@ -2071,7 +991,7 @@ def _evaluate(graph: CapturedGraph, region: ChunkRegion, sizes: list[int], base_
     tensors, liveness = am.get(Tensors), am.get(Liveness)
     calls = [call for call, _ in loops_for(sizes[0])]
     scratch_ids = [tensors.storages_of(call.name)[-1] for call in calls]
-    fixed_cost = _module_cost(new.gm, options.rates) - sum(loop.cost(options.rates) for _, loop in loops_for(sizes[0]))
+    fixed_cost = module_cost(new.gm, options.rates) - sum(loop.cost(options.rates) for _, loop in loops_for(sizes[0]))
     candidates: list[Candidate] = []
     stopped = False
     for size in sizes:
@@ -2146,7 +1066,7 @@ def _nested_variant(swap, finest: Candidate, options: ChunkOptions, policy) -> C
             inner_policy = Policy(max_overhead=(policy.max_overhead - finest.overhead) / (1.0 + finest.overhead))
         else:
             inner_policy = Policy(budget=max(1, policy.budget - (finest.peak - loop.spec.scratch)), max_overhead=policy.max_overhead)
-        plan, _ = _plan(_body_graph(loop.bodies[str(region.chunk)]), inner_policy, inner_options)
+        plan, _ = _plan(body_graph(loop.bodies[str(region.chunk)]), inner_policy, inner_options)
         if plan.regions:
             plans.extend((kind, int(length), plan) for length in loop.bodies)
     return dataclasses.replace(region, inner=tuple(plans)) if plans else None

@@ -27,7 +27,7 @@ Stages
         dimensions factor the product's dimensions exactly (checked by walking each dimension back
         through the view chain with the chunk pass's rules).
 (2) Take the pattern's nodes as a region, find its backward by autograd sequence numbers
-    (:func:`~memplan.passes.chunk.region_backward`) and match the gradients it reads to the region's
+    (:func:`~memplan.passes._chunk.graphs.region_backward`) and match the gradients it reads to the region's
     outputs and the gradients it produces to the region's inputs (by shape, then sequence number).
 (3) Trace the replacement forward together with its backward by ``make_fx`` over the region inputs'
     fake values (the graph's own fake mode), through autograd, with sequence numbers recorded.
@@ -78,14 +78,8 @@ from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation
 from memplan.capture import CapturedGraph, Phase, _tag_backward_with_seq_nr
 from memplan.graphutil import packet_name
-from memplan.passes.chunk import (
-    Split,
-    copy_graph,
-    fake_mode_of,
-    refresh_aliases,
-    region_backward,
-    stable_toposort,
-)
+from memplan.passes._chunk.graphs import copy_graph, fake_mode_of, refresh_aliases, region_backward, stable_toposort
+from memplan.passes._chunk.rules import Split
 from memplan.pipeline import PassContext, PassResult, PassStats, register_pass
 
 __all__ = ["BroadcastMatmul", "MatmulMax", "RewritePlan", "plan_rewrite", "apply_rewrite", "rewrite"]

@@ -1,0 +1,302 @@
+"""Loop bodies and the loop module: a region's nodes as an fx body for one chunk, run chunk by chunk.
+
+:func:`build_body` copies a region's nodes into a new graph whose size arguments shrink to a chunk;
+:class:`ChunkLoop` slices its inputs, runs a body per chunk and combines the chunks' outputs as its
+:class:`LoopSpec` says (concatenate, sum, length-weighted mean, log-sum-exp, max, min, NLL mean, or
+scatter-adds into one accumulator).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch.fx.graph import _BoxedCodeGen
+
+from memplan.analysis.manager import AnalysisManager
+from memplan.analysis.peak import PeakSimulation
+from memplan.capture import CapturedGraph, InputSpec, OutputSpec, Phase
+from memplan.graphutil import packet_name
+from memplan.passes._chunk.cost import CostRates, module_cost
+from memplan.passes._chunk.graphs import fake_call, graph_module
+from memplan.passes._chunk.rules import REP, Split, State, arg_of, norm_dim, shape_of
+
+__all__ = ["LoopInput", "LoopOutput", "LoopSpec", "ChunkLoop", "build_body", "body_graph", "body_peak"]
+
+
+# ----------------------------------------------------------------------------------------------
+# loop bodies and the loop module
+
+_SIZE_ARG = {"view": 1, "_unsafe_view": 1, "reshape": 1, "expand": 1, "new_zeros": 1, "new_ones": 1, "new_empty": 1,
+             "new_full": 1, "new_empty_strided": 1, "zeros": 0, "ones": 0, "empty": 0, "full": 0, "empty_strided": 0,
+             "slice_backward": 1, "select_backward": 1}
+
+
+def _restride(shape: Sequence[int], stride: Sequence[int], new_shape: Sequence[int]) -> list[int]:
+    """Dense strides for ``new_shape`` with the dimension order that ``stride`` has for ``shape``."""
+    order = sorted(range(len(shape)), key=lambda i: (-stride[i], -i))
+    out = [0] * len(shape)
+    step = 1
+    for i in reversed(order):
+        out[i] = step
+        step *= max(new_shape[i], 1)
+    return out
+
+
+def _chunk_args(node: torch.fx.Node, state: State, units: int) -> tuple[tuple, dict]:
+    """``node``'s arguments for a chunk of ``units`` units: size arguments shrink on the split dimension."""
+    args, kwargs = list(node.args), dict(node.kwargs)
+    if not isinstance(state, Split):
+        return tuple(args), kwargs
+    name = packet_name(node)
+    d, length = state.dim, units * state.inner
+    if name in _SIZE_ARG:
+        i = _SIZE_ARG[name]
+        sizes = list(args[i]) if i < len(args) else list(kwargs["size"])
+        full = list(sizes)
+        if sizes[d] != -1:
+            sizes[d] = length
+        if i < len(args):
+            args[i] = sizes
+        else:
+            kwargs["size"] = sizes
+        if name in ("new_empty_strided", "empty_strided"):
+            args[i + 1] = _restride(full, args[i + 1], sizes)
+    elif name == "slice" and norm_dim(arg_of(node, 1, "dim", 0), len(shape_of(node.args[0]))) == d:
+        if len(args) > 3:
+            args[3] = sys.maxsize
+    elif name == "narrow" and norm_dim(args[1], len(shape_of(node.args[0]))) == d:
+        args[3] = length
+    return tuple(args), kwargs
+
+
+def _narrow_fake(value: torch.Tensor, state: Split, units: int, mode) -> torch.Tensor:
+    with mode:
+        return value.narrow(state.dim, 0, units * state.inner)
+
+
+def build_body(
+    nodes: Sequence[torch.fx.Node],
+    inputs: Sequence[tuple[torch.fx.Node, State]],
+    outputs: Sequence[tuple[torch.fx.Node, int | None]],
+    states: Mapping[torch.fx.Node, State],
+    units: int,
+    mode,
+    compile: bool = True,
+    accumulators: Sequence[torch.fx.Node] = (),
+) -> torch.fx.GraphModule:
+    """An fx module computing ``outputs`` of one chunk of ``units`` units from chunk-sized ``inputs``.
+
+    ``outputs`` are ``(node, index)`` pairs: ``index`` picks an item of a tuple value. The zero
+    tensors in ``accumulators`` are not created per chunk: they are extra inputs (the loop's own
+    accumulators) that the body adds into in place.
+    """
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for i, (node, state) in enumerate(inputs):
+        placeholder = graph.placeholder(f"{node.name}_in")
+        value = node.meta["val"]
+        placeholder.meta["val"] = _narrow_fake(value, state, units, mode) if isinstance(state, Split) else value
+        env[node] = placeholder
+    for node in accumulators:
+        placeholder = graph.placeholder(f"{node.name}_acc")
+        placeholder.meta["val"] = node.meta["val"]
+        env[node] = placeholder
+    for node in nodes:
+        if node in env:
+            continue
+        if node.target in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+            env[node] = env[node.args[0]]  # no-ops outside autograd: one Python call less per chunk
+            continue
+        args, kwargs = _chunk_args(node, states.get(node, REP), units)
+        args = torch.fx.node.map_arg(args, env.__getitem__)
+        kwargs = torch.fx.node.map_arg(kwargs, env.__getitem__)
+        new = graph.call_function(node.target, args, kwargs, name=node.name)
+        new.meta["val"] = fake_call(node.target, args, kwargs, mode)
+        env[node] = new
+    results = []
+    for node, index in outputs:
+        value = env[node]
+        if index is not None:
+            item = graph.call_function(operator.getitem, (value, index))
+            item.meta["val"] = value.meta["val"][index]
+            value = item
+        results.append(value)
+    graph.output(tuple(results))
+    graph.set_codegen(_BoxedCodeGen())
+    return graph_module(torch.nn.Module(), graph, "ChunkBody", compile)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopInput:
+    """How the loop hands an input to each chunk: a slice on ``dim`` (None: the whole tensor)."""
+
+    dim: int | None = None
+    inner: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopOutput:
+    """How the chunks' values combine: ``"cat"`` on ``dim``, ``"sum"``, ``"mean"``, ``"lse"``, ``"max"``,
+    ``"min"``, ``"nll_mean"`` (weighted by output ``partner``, a hidden sum), ``"first"``, or
+    ``"inplace"`` (the bodies scatter-add into one zero accumulator the loop passes them)."""
+
+    kind: str
+    dim: int = 0
+    inner: int = 1
+    shape: tuple[int, ...] = ()
+    stride: tuple[int, ...] = ()
+    partner: int = -1
+    public: bool = True
+    dtype: torch.dtype = torch.float32
+    same_as: int = -1  # the body returns the same tensor as output ``same_as``: reuse its result
+    steps: tuple = ()  # ``"inplace"``: the view ops from the accumulator to the output
+    alias_of: int = -1  # the output is loop input ``alias_of``, added into in place by every chunk
+    acc_shape: tuple[int, ...] = ()  # ``"inplace"``: the zero accumulator the body adds into
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSpec:
+    units: int
+    chunk: int
+    inputs: tuple[LoopInput, ...]
+    outputs: tuple[LoopOutput, ...]
+    scratch: int  # bytes a chunk's body needs at its peak
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.units // self.chunk)
+
+
+def _overlaps(t: torch.Tensor) -> bool:
+    return torch._debug_has_internal_overlap(t) != 0
+
+
+class ChunkLoop(torch.nn.Module):
+    """Runs fx bodies chunk by chunk and combines their outputs (see :class:`LoopOutput`).
+
+    Returns the public outputs and, last, an empty tensor standing for the scratch memory a chunk
+    uses (its fake value in the graph has the scratch's size, so the peak simulation counts it).
+    """
+
+    def __init__(self, spec: LoopSpec, bodies: Mapping[int, torch.fx.GraphModule]):
+        super().__init__()
+        self.spec = spec
+        self.bodies = torch.nn.ModuleDict({str(k): v for k, v in sorted(bodies.items())})
+        self._runners: dict[int, Callable] | None = None
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_runners"] = None
+        return state
+
+    def extra_repr(self) -> str:
+        return f"units={self.spec.units}, chunk={self.spec.chunk}, chunks={self.spec.chunks}"
+
+    def _runner(self, length: int) -> Callable:
+        if self._runners is None:
+            from memplan.emit import fast_callable
+
+            self._runners = {int(k): fast_callable(body) for k, body in self.bodies.items()}
+        return self._runners[length]
+
+    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        spec = self.spec
+        results: list[Any] = [None] * len(spec.outputs)
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+        accumulators = [
+            torch.zeros(out.acc_shape, dtype=out.dtype, device=device) for out in spec.outputs if out.kind == "inplace"
+        ]
+        for k in range(spec.chunks):
+            start = k * spec.chunk
+            length = min(spec.chunk, spec.units - start)
+            chunk_args = [
+                a if s.dim is None else a.narrow(s.dim, start * s.inner, length * s.inner) for a, s in zip(args, spec.inputs)
+            ]
+            outs = self._runner(length)(chunk_args + accumulators)
+            for i, out in enumerate(spec.outputs):
+                if out.same_as < 0 and out.kind != "inplace":
+                    results[i] = self._combine(results[i], outs[i], out, start, length, outs)
+            outs = chunk_args = None  # drop this chunk's values before the next chunk runs
+        for i, out in enumerate(spec.outputs):
+            if out.kind == "nll_mean":
+                partner = spec.outputs[out.partner].same_as if spec.outputs[out.partner].same_as >= 0 else out.partner
+                results[i] = results[i] / results[partner]
+        inplace = iter(accumulators)
+        for i, out in enumerate(spec.outputs):
+            if out.kind == "inplace":
+                value = next(inplace)
+                for target, rest, kwargs in out.steps:
+                    value = target(value, *rest, **kwargs)
+                results[i] = value
+        for i, out in enumerate(spec.outputs):
+            if out.same_as >= 0:
+                results[i] = results[out.same_as]
+        public = [r for r, out in zip(results, spec.outputs) if out.public]
+        return (*public, torch.empty(0, dtype=torch.uint8, device=device))
+
+    def _combine(self, acc: Any, value: torch.Tensor, out: LoopOutput, start: int, length: int, outs) -> Any:
+        kind = out.kind
+        if kind == "cat":
+            if acc is None:
+                acc = torch.empty_strided(out.shape, out.stride, dtype=value.dtype, device=value.device)
+            acc.narrow(out.dim, start * out.inner, length * out.inner).copy_(value)
+            return acc
+        if kind == "first":
+            return value if acc is None else acc
+        if kind == "nll_mean":
+            value = value * outs[out.partner]  # the partner's chunk value (same tensor as its twin's)
+            kind = "sum"
+        if kind == "mean":
+            weight = length / self.spec.units
+            if acc is None:
+                return value * weight
+            return acc.add_(value, alpha=weight)
+        if acc is None:
+            return value.clone() if _overlaps(value) else value
+        if kind == "sum":
+            return acc.add_(value)
+        if kind == "lse":
+            return torch.logaddexp(acc, value, out=acc)
+        if kind == "max":
+            return torch.maximum(acc, value, out=acc)
+        if kind == "min":
+            return torch.minimum(acc, value, out=acc)
+        raise ValueError(f"unknown combine {kind!r}")
+
+    def cost(self, rates: "CostRates") -> float:
+        total = 0.0
+        for k in range(self.spec.chunks):
+            length = min(self.spec.chunk, self.spec.units - k * self.spec.chunk)
+            total += module_cost(self.bodies[str(length)], rates) + rates.chunk_seconds
+        return total
+
+
+def body_peak(body: torch.fx.GraphModule) -> int:
+    """Simulated peak of one run of a loop body (its inputs are views of existing tensors)."""
+    return AnalysisManager(body_graph(body)).get(PeakSimulation).peak
+
+
+def body_graph(body: torch.fx.GraphModule) -> CapturedGraph:
+    """A loop body as an inference graph, so that analyses (and the pass itself) run on it."""
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    n_out = len(next(n for n in body.graph.nodes if n.op == "output").args[0])
+    return CapturedGraph(
+        gm=body,
+        training=False,
+        phases={n.name: Phase.FORWARD for n in body.graph.nodes if n.op == "call_function"},
+        sources={},
+        seq_nr={},
+        inputs=tuple(InputSpec(p.name, "input", p.name, False) for p in placeholders),
+        outputs=tuple(OutputSpec(None, "output", f"out[{i}]") for i in range(n_out)),
+        in_spec=pytree.tree_flatten(((), {}))[1],
+        out_spec=pytree.tree_flatten(None)[1],
+        seed="sum",
+        lifetimes="graph",
+    )
