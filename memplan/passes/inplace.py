@@ -24,7 +24,12 @@ Stages
     operands when it writes ``other``), set its fake value by running the in-place op on the fake
     input (so the value shares the input's storage), and re-derive the fake values of every later
     node that aliased the node's old output (views of it), so the storage analysis sees one storage.
-(4) Report: nodes rewritten and the simulated peak (graph lifetimes) before minus after.
+(4) Fused accumulation (:func:`fuse_accumulations`): an in-place ``acc.add_(mm(a, b))`` whose
+    product has no other reader becomes ``acc.addmm_(a, b)`` (``bmm``: ``baddbmm_``), so the product
+    is never materialised. This is how a weight used at every step of an unrolled loop accumulates its
+    gradient: one product per step, summed into the gradient; autograd's fused RNN kernels do the same.
+    The sum is rounded in another order (the BLAS adds into ``acc`` as it goes).
+(5) Report: nodes rewritten and the simulated peak (graph lifetimes) before minus after.
 
 Preconditions
 -------------
@@ -54,7 +59,9 @@ Soundness conditions, each with the counterexample it rules out
     users who never retain the graph.
 
 Never raises the peak: the written storage lives on where the node's own output would have lived,
-and both have the same size, so the live bytes never grow at any position.
+and both have the same size, so the live bytes never grow at any position. A fused accumulation
+frees the product's storage; ``a`` and ``b`` are read by the fused node instead of the product, so
+they live at most until the accumulation, and only when nothing writes them in between.
 
 Left to other passes
 --------------------
@@ -79,7 +86,7 @@ from memplan.analysis.liveness import Liveness
 from memplan.analysis.peak import PeakSimulation
 from memplan.analysis.tensors import Tensors, tensor_values
 from memplan.capture import CapturedGraph, Phase
-from memplan.graphutil import fake_value, is_random, packet_name
+from memplan.graphutil import GraphEditor, fake_value, is_random, mutated_args, packet_name
 from memplan.pipeline import PassContext, PassResult, PassStats, register_pass
 
 __all__ = [
@@ -92,6 +99,7 @@ __all__ = [
     "plan_inplace",
     "apply_inplace",
     "is_dense_full",
+    "fuse_accumulations",
 ]
 
 #: Pointwise ops whose in-place overload computes the same values into ``self``. Membership is a
@@ -256,6 +264,34 @@ def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+#: Products that may be fused into the in-place accumulation that consumes them: ``acc.add_(mm(a, b))``
+#: is ``acc.addmm_(a, b)``.
+_FUSED_ACCUMULATIONS: dict[Any, Any] = {
+    torch.ops.aten.mm.default: torch.ops.aten.addmm_.default,
+    torch.ops.aten.bmm.default: torch.ops.aten.baddbmm_.default,
+}
+
+
+def _is_transpose(node: torch.fx.Node) -> bool:
+    """``t(x)``, or ``transpose(x, d0, d1)`` of the last two dims of a 3-D tensor."""
+    if node.target is torch.ops.aten.t.default:
+        return True
+    if node.target is torch.ops.aten.transpose.int and isinstance(node.meta.get("val"), torch.Tensor):
+        rank = node.meta["val"].dim()
+        return rank == 3 and {d % rank for d in node.args[1:3]} == {1, 2}
+    return False
+
+
+def _fusable_product(node: Any) -> tuple[torch.fx.Node, int] | None:
+    """``(product, transposes)`` when ``node`` is a single-use product seen through single-use transposes."""
+    transposes = 0
+    while isinstance(node, torch.fx.Node) and len(node.users) == 1 and _is_transpose(node):
+        node, transposes = node.args[0], transposes + 1
+    if isinstance(node, torch.fx.Node) and node.target in _FUSED_ACCUMULATIONS and len(node.users) == 1:
+        return node, transposes
+    return None
+
+
 # ----------------------------------------------------------------------------------------------
 # plan
 
@@ -344,6 +380,8 @@ def _writable_positions(node: torch.fx.Node) -> tuple[int, ...]:
     if packet_name(node) in COMMUTATIVE_OPS and len(node.args) >= 2 and isinstance(node.args[1], torch.fx.Node):
         alpha = node.kwargs.get("alpha", 1)
         if alpha == 1 and len(node.args) == 2:
+            if _fusable_product(node.args[0]) is not None:
+                return (1, 0)  # write into the other operand, so that the product can be fused (stage 4)
             return (0, 1)
     return (0,)
 
@@ -389,6 +427,69 @@ def apply_inplace(graph: CapturedGraph, plan: InplacePlan) -> CapturedGraph:
     return dataclasses.replace(graph)
 
 
+def fuse_accumulations(graph: CapturedGraph) -> tuple[CapturedGraph, int]:
+    """Fuse ``acc.add_(mm(a, b))`` into ``acc.addmm_(a, b)`` (stage 4); returns the graph and the count.
+
+    The product may be seen through transposes (``acc.add_(mm(a, b).t())`` is ``acc.addmm_(b.t(),
+    a.t())``, the form of a linear layer's weight gradient). Conditions: the accumulation is
+    ``add_.Tensor`` with ``alpha`` 1 writing into ``acc``, not into the product; the product and the
+    transposes are read by nothing else; the product has ``acc``'s shape, dtype and device; nothing
+    between the product and the accumulation writes ``a`` or ``b`` (through any alias).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from memplan.capture import capture
+    >>> def f(acc, a, b):
+    ...     acc = acc * 2
+    ...     acc.add_(a @ b)
+    ...     return acc.add_((b.t() @ a.t()).t())
+    >>> g = capture(f, torch.randn(4, 3), torch.randn(4, 5), torch.randn(5, 3), train=False)
+    >>> g, n = fuse_accumulations(g)
+    >>> n, [packet_name(x) for x in g.gm.graph.nodes if x.op == "call_function"]
+    (2, ['mul', 'addmm_', 't', 't', 't', 't', 'addmm_'])
+    """
+    editor = GraphEditor(graph)
+    nodes = list(graph.gm.graph.nodes)
+    order = {node: i for i, node in enumerate(nodes)}
+    fused = 0
+    for node in nodes:
+        if node.target is not torch.ops.aten.add_.Tensor or node.kwargs.get("alpha", 1) != 1 or len(node.args) != 2:
+            continue
+        acc, operand = node.args
+        found = _fusable_product(operand)
+        if found is None or not isinstance(acc, torch.fx.Node) or acc is operand:
+            continue
+        product, transposes = found
+        acc_value, value = acc.meta.get("val"), operand.meta.get("val")
+        if not isinstance(acc_value, torch.Tensor) or not isinstance(value, torch.Tensor):
+            continue
+        if (acc_value.shape, acc_value.dtype, acc_value.device) != (value.shape, value.dtype, value.device):
+            continue
+        a, b = product.args[:2]
+        read = {StorageWeakRef(x.meta["val"].untyped_storage()) for x in (a, b)
+                if isinstance(x, torch.fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)}
+        between = nodes[order[product] + 1:order[node]]
+        if any(StorageWeakRef(t.meta["val"].untyped_storage()) in read
+               for n in between if n.op == "call_function" for t in mutated_args(n)
+               if isinstance(t.meta.get("val"), torch.Tensor)):
+            continue
+        if transposes % 2:  # (a @ b).T == b.T @ a.T
+            flip = ((torch.ops.aten.t.default, ()) if product.target is torch.ops.aten.mm.default
+                    else (torch.ops.aten.transpose.int, (1, 2)))
+            a, b = (editor.call(flip[0], (x, *flip[1]), like=node, before=node) for x in (b, a))
+        chain = [operand]
+        while chain[-1] is not product:
+            chain.append(chain[-1].args[0])
+        node.target = _FUSED_ACCUMULATIONS[product.target]
+        node.args = (acc, a, b)
+        node.meta["val"] = fake_value(node.target, node.args, node.kwargs)
+        for dead in chain:
+            editor.erase(dead)
+        fused += 1
+    return editor.finish(), fused
+
+
 # ----------------------------------------------------------------------------------------------
 # the pass
 
@@ -398,11 +499,11 @@ def inplace(graph: CapturedGraph, ctx: PassContext) -> PassResult:
     """Rewrite pointwise ops to write into dead inputs (see the module docstring)."""
     options = InplaceOptions.from_mapping(ctx.options)
     plan = plan_inplace(graph, ctx.am, options)
-    if not plan.rewrites:
-        return PassResult(graph, changed=False, notes=("no pointwise op has a dead, dense input",), plan=plan)
     peak_before = ctx.am.get(PeakSimulation).peak
-    new = apply_inplace(graph, plan)
-    # Step 4: report what the simulated peak gained.
+    new, fused = fuse_accumulations(apply_inplace(graph, plan))
+    if not plan.rewrites and not fused:
+        return PassResult(graph, changed=False, notes=("no pointwise op has a dead, dense input",), plan=plan)
+    # Step 5: report what the simulated peak gained.
     peak_after = AnalysisManager(new).get(PeakSimulation).peak
-    stats = PassStats(nodes_rewritten=len(plan.rewrites), bytes_saved=peak_before - peak_after)
+    stats = PassStats(nodes_rewritten=len(plan.rewrites) + fused, bytes_saved=peak_before - peak_after)
     return PassResult(new, changed=True, stats=stats, plan=plan)

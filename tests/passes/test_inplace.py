@@ -297,3 +297,49 @@ def test_rewritten_values_share_the_input_storage():
             nodes[source].meta["val"].untyped_storage()
         )
 
+
+
+# ----------------------------------------------------------------------------------------------
+# fused accumulation of products
+
+
+class _SharedWeightLoop(nn.Module):
+    """A weight read at every step: its gradient is a sum of one product per step."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.Linear(12, 12, bias=False)
+        self.w = nn.Parameter(torch.randn(12, 12) / 4)
+
+    def forward(self, x):
+        h = x
+        for _ in range(5):
+            h = torch.tanh(self.cell(h) + h @ self.w)
+        return h
+
+
+def test_weight_gradients_accumulate_products_in_place_with_equal_gradients():
+    model, x = _SharedWeightLoop(), torch.randn(6, 12, requires_grad=True)
+    graph = capture(model, x, seed="tangents")
+    before, peak_before = ops(graph), peak(graph)
+    result = run(graph)
+    after = ops(result.graph)
+    # both weights, at four of five steps (the first product starts the sum)
+    assert after.count("aten.addmm_.default") - before.count("aten.addmm_.default") >= 8
+    assert after.count("aten.mm.default") <= before.count("aten.mm.default") - 8
+    assert peak(result.graph) < peak_before
+    assert_equivalent(model, optimize(model, passes="inplace"), x)
+
+
+def test_a_product_whose_operand_is_written_before_the_accumulation_is_not_fused():
+    def f(acc, a, b):
+        acc = acc * 2
+        a = a * 1
+        p = a @ b
+        a.mul_(3)  # p must keep the old a
+        return acc.add_(p), a
+
+    inputs = (torch.randn(4, 3), torch.randn(4, 5), torch.randn(5, 3))
+    graph = capture(f, *inputs, train=False)
+    assert "aten.addmm_.default" not in ops(run(graph).graph)
+    assert_equivalent(f, optimize(f, passes="inplace"), *inputs, grad=False)
