@@ -41,9 +41,10 @@ __all__ = ["optimize", "OptimizedModule", "Plan", "DEFAULT_PIPELINE"]
 #: Passes run when ``passes=None``; the empty pipeline only captures and emits. Rewrites first (they
 #: remove broadcast copies chunking would otherwise carry), then chunking of huge reduced
 #: intermediates (it finds a region's backward by sequence numbers, which recomputation would blur),
-#: in-place reuse of what dies, rematerialisation and checkpointing across unrolled timesteps under
-#: the policy, and last the order with the lowest peak.
-DEFAULT_PIPELINE: tuple[str, ...] = ("rewrite", "chunk", "inplace", "remat", "timesteps", "schedule")
+#: rematerialisation before in-place reuse (a node written in place joins an in-place unit that can
+#: only be recomputed whole, so in-place first would leave remat fewer choices), checkpointing across
+#: unrolled timesteps under the policy, and last the order with the lowest peak.
+DEFAULT_PIPELINE: tuple[str, ...] = ("rewrite", "chunk", "remat", "inplace", "timesteps", "schedule")
 
 
 @dataclasses.dataclass(frozen=True)

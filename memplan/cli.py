@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     bench.add_argument("--mode", choices=("train", "infer", "both"), default="both")
     bench.add_argument("--repeats", type=int, default=5, help="timed repetitions per row (median, interleaved)")
-    bench.add_argument("--passes", default="default", help='memplan pipeline to compare with eager ("default", "" or e.g. "inplace,remat")')
+    bench.add_argument("--passes", default="default", help='memplan pipeline to compare with eager ("default", "" or e.g. "remat,inplace")')
     bench.add_argument("--eager-only", action="store_true", help="measure and predict eager only")
     bench.add_argument("--json", action="store_true", help="machine-readable output")
     bench.add_argument("--check", action="store_true", help="exit 1 if a prediction is off by more than 5%%")
@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--size", choices=("small", "full"), default="small")
     rep.add_argument("--device", default="cpu")
     rep.add_argument("--mode", choices=("train", "infer"), default="train")
-    rep.add_argument("--passes", default="default", help='pipeline to plan with ("default", "" or e.g. "inplace,remat")')
+    rep.add_argument("--passes", default="default", help='pipeline to plan with ("default", "" or e.g. "remat,inplace")')
     rep.set_defaults(func=_report)
     return parser
 
