@@ -29,15 +29,17 @@ source line of the forward op whose derivative it computes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
+import functools
 import gc
 import os
 import linecache
 import sys
 import traceback
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -45,8 +47,8 @@ import torch.fx
 import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
-from torch.multiprocessing.reductions import StorageWeakRef
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, make_fx, track_tensor_tree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.errors import CaptureError, UnsupportedInputError
@@ -368,7 +370,8 @@ def capture(
             sum_backward(flat_out, before_backward=tag_backward)
         else:
             diff = [t for t in flat_out if isinstance(t, torch.Tensor) and t.requires_grad]
-            tangents = list(flat[n_params + n_buffers + n_user :])
+            with recorders[0].unwatched():
+                tangents = _tangent_placeholders(diff)
             tag_backward(diff)
             torch.autograd.backward(diff, tangents)
         # AccumulateGrad copies a gradient whose strides differ from its leaf's (the layout contract);
@@ -386,12 +389,16 @@ def capture(
     # Step 4: trace over fake tensors. The cyclic garbage collector is paused: a trace keeps hundreds
     # of thousands of objects alive, and full collections over them made capture superlinear in the
     # graph's size. Tensors are freed by reference counting, which is what the release recorder reads.
+    # The GraphModule is lazy: its Python code is generated when first run or read, not twice here
+    # (by make_fx, then again after the placeholders are renamed).
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        if train and seed == "tangents":
-            real_flat.extend(_tangent_examples(call_model, real_flat))
-        with torch.enable_grad() if train else torch.no_grad(), fx_traceback.preserve_node_meta():
+        with (
+            torch.enable_grad() if train else torch.no_grad(),
+            fx_traceback.preserve_node_meta(),
+            _use_lazy_graph_module(True),
+        ):
             gm = make_fx(
                 flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True, _disable_torch_fn_metadata_mode=True
             )(*real_flat)
@@ -427,7 +434,9 @@ class _ReleaseRecorder(TorchDispatchMode):
 
     Release: the fake trace runs the user's Python exactly as eager would, so a traced tensor object
     dies when the eager one would: when its variable is rebound or goes out of scope, or when autograd
-    releases it. That is when eager frees memory, which graph liveness alone cannot see.
+    releases it. That is when eager frees memory, which graph liveness alone cannot see. Storages are
+    keyed by their address (``_storage_key``), as ``StorageWeakRef`` compares them; the graph's fake
+    values keep every traced storage alive, so its address is not reused while the trace runs.
 
     Source lines: the innermost user frame below ``stop`` (the traced body), found by walking frames;
     much cheaper than formatting a whole stack per node, and backward nodes get theirs by ``seq_nr``.
@@ -437,11 +446,22 @@ class _ReleaseRecorder(TorchDispatchMode):
         super().__init__()
         self.graph = graph
         self.stop = stop
-        self.alive: dict[StorageWeakRef, int] = {}
-        self.released_after: dict[StorageWeakRef, str] = {}
+        self.alive: dict[int, int] = {}
+        self.released_after: dict[int, str] = {}
         self.sources: dict[str, SourceLine] = {}
         self.in_backward = False
         self._user_file: dict[str, bool] = {}
+        self._watches: dict[int, weakref.ref] = {}
+        self._watching = True
+
+    @contextlib.contextmanager
+    def unwatched(self) -> Iterator[None]:
+        """Tensors made inside are not watched: graph inputs made by capture, which no user code holds."""
+        self._watching = False
+        try:
+            yield
+        finally:
+            self._watching = True
 
     def _user_line(self) -> SourceLine | None:
         frame = sys._getframe(2)
@@ -458,26 +478,50 @@ class _ReleaseRecorder(TorchDispatchMode):
         return None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        last = self.graph._root.prev
+        if func is _DEVICE_QUERY:
+            # Most dispatches of a trace (autograd and kernels ask each fake tensor its device); they
+            # make no node and no tensor, so there is nothing to record.
+            return func(*args, **(kwargs or {}))
+        root = self.graph._root
+        last = root.prev
         out = func(*args, **(kwargs or {}))
-        if not self.in_backward and self.graph._root.prev is not last:
+        if not self.in_backward and root.prev is not last:
             line = self._user_line()
             if line is not None:
                 node = last.next
-                while node is not self.graph._root:
+                while node is not root:
                     self.sources[node.name] = line
                     node = node.next
-        for tensor in pytree.tree_leaves(out):
-            if isinstance(tensor, torch.Tensor):
-                key = StorageWeakRef(tensor.untyped_storage())
-                self.alive[key] = self.alive.get(key, 0) + 1
-                weakref.finalize(tensor, self._release, key)
+        if not self._watching:
+            return out
+        if isinstance(out, torch.Tensor):
+            self._watch(out)
+        else:
+            for tensor in pytree.tree_leaves(out):
+                if isinstance(tensor, torch.Tensor):
+                    self._watch(tensor)
         return out
 
-    def _release(self, key: StorageWeakRef) -> None:
+    def _watch(self, tensor: torch.Tensor) -> None:
+        key = _storage_key(tensor)
+        self.alive[key] = self.alive.get(key, 0) + 1
+        watch = weakref.ref(tensor, functools.partial(self._release, key))
+        self._watches[id(watch)] = watch
+
+    def _release(self, key: int, watch: weakref.ref) -> None:
+        del self._watches[id(watch)]
         self.alive[key] -= 1
-        if self.alive[key] == 0 and len(self.graph.nodes):
-            self.released_after[key] = self.graph._root.prev.name
+        root = self.graph._root
+        if self.alive[key] == 0 and root.prev is not root:
+            self.released_after[key] = root.prev.name
+
+
+_DEVICE_QUERY = torch.ops.prim.device.default
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    """The address of a tensor's storage: equal for all tensors that alias it."""
+    return tensor.untyped_storage()._cdata
 
 
 def _tag_backward_with_seq_nr(roots: list[Any]) -> None:
@@ -528,20 +572,28 @@ def _check_constants(model: Any, tracer: Any) -> None:
             )
 
 
-def _tangent_examples(call_model: Callable[..., Any], real_flat: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Fake-shaped zeros, one per differentiable output (shapes found by a fake forward)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+def _tangent_placeholders(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """New graph inputs, one per differentiable output: the (dense) gradient flowing into it.
 
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
-        fake_flat = [fake_mode.from_tensor(t) for t in real_flat]
-        with torch.enable_grad():
-            out = call_model(fake_flat)
-        shapes = [
-            (t.shape, t.dtype, t.device)
-            for t in pytree.tree_leaves(out)
-            if isinstance(t, torch.Tensor) and t.requires_grad
-        ]
-    return [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in shapes]
+    Added while tracing, once the forward has produced the outputs, so their shapes need no separate
+    forward. They go after the other placeholders, with their autograd sequence number (the counter
+    before the trace, which no op has), and their fake values are zeros made outside the graph, like
+    the values make_fx makes for its inputs.
+    """
+    tracer = get_proxy_mode().tracer
+    graph = tracer.graph
+    with disable_proxy_modes_tracing():
+        values = [torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in outputs]
+    first = next(iter(graph.nodes), None)
+    input_seq_nr = first.meta.get("seq_nr") if first is not None and first.op == "placeholder" else None
+    first_op = next((node for node in graph.nodes if node.op != "placeholder"), None)
+    with graph.inserting_before(first_op) if first_op is not None else contextlib.nullcontext():
+        for value in values:
+            proxy = tracer.create_proxy("placeholder", "tangent", (), {})
+            if input_seq_nr is not None:
+                proxy.node.meta["seq_nr"] = input_seq_nr
+            track_tensor_tree(value, proxy, constant=None, tracer=tracer)
+    return values
 
 
 def _capture_error(model: Any, exc: BaseException) -> CaptureError:
@@ -603,7 +655,7 @@ def _build_captured(
     in_spec: pytree.TreeSpec,
     out_spec: pytree.TreeSpec,
     n_user: int,
-    released: Mapping[StorageWeakRef, str],
+    released: Mapping[int, str],
     differentiable: Sequence[bool],
     recorded_sources: Mapping[str, SourceLine],
 ) -> CapturedGraph:
@@ -620,9 +672,10 @@ def _build_captured(
     kinds += ["tangent"] * n_tangents
     paths += [f"tangent[{i}]" for i in range(n_tangents)]
     _rename_placeholders(gm, placeholders, kinds, paths)
+    requires_grad = [bool(tensor.requires_grad) for tensor in real_flat] + [False] * n_tangents
     inputs = tuple(
-        InputSpec(node.name, kind, path, bool(tensor.requires_grad) and kind != "tangent")
-        for node, kind, path, tensor in zip(placeholders, kinds, paths, real_flat)
+        InputSpec(node.name, kind, path, requires)
+        for node, kind, path, requires in zip(placeholders, kinds, paths, requires_grad)
     )
 
     phases: dict[str, Phase] = {}
@@ -671,7 +724,7 @@ def _build_captured(
         value = node.meta.get("val")
         for tensor in value if isinstance(value, (tuple, list)) else (value,):
             if isinstance(tensor, torch.Tensor):
-                key = StorageWeakRef(tensor.untyped_storage())
+                key = _storage_key(tensor)
                 if key in released and node.name not in released_after and node.op == "call_function":
                     released_after[node.name] = released[key]
 
