@@ -17,7 +17,7 @@ import torch.utils._pytree as pytree
 
 from memplan.capture import CapturedGraph, Phase
 
-__all__ = ["packet_name", "is_random", "mutated_args", "fake_value", "copy_graph", "GraphEditor"]
+__all__ = ["packet_name", "is_random", "mutated_args", "is_pure_view", "fake_value", "copy_graph", "GraphEditor"]
 
 
 def packet_name(node: torch.fx.Node) -> str:
@@ -44,6 +44,24 @@ def mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
             if isinstance(value, torch.fx.Node):
                 mutated.append(value)
     return mutated
+
+
+def is_pure_view(node: torch.fx.Node) -> bool:
+    """True when ``node`` only makes aliases of an argument (``select``, ``t``, ``view``): reads no data.
+
+    Examples
+    --------
+    >>> g = torch.fx.Graph()
+    >>> x = g.placeholder("x")
+    >>> [is_pure_view(g.call_function(op, (x, 0))) for op in (torch.ops.aten.select.int, torch.ops.aten.add.Tensor)]
+    [True, False]
+    """
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.returns:
+        return False
+    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return False
+    return all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
 
 def copy_graph(graph: CapturedGraph) -> CapturedGraph:

@@ -33,7 +33,7 @@ from memplan.analysis.peak import PeakSimulation
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph, InputSpec, OutputSpec, Phase, SourceLine
 from memplan.errors import PassError
-from memplan.graphutil import mutated_args
+from memplan.graphutil import is_pure_view, mutated_args
 from memplan.policy import Policy
 
 __all__ = [
@@ -134,7 +134,8 @@ def parse_pipeline(pipeline: str | Sequence[str] | None) -> tuple[str, ...]:
 def mutation_hazards(graph: CapturedGraph, am: AnalysisManager) -> frozenset[tuple[str, str]]:
     """``(writer, reader)`` pairs: ``reader`` reads, after ``writer`` wrote it, a storage through a node
     defined before the write. In a graph from eager code these are the user's own aliasing; a pass must
-    not add any."""
+    not add any. Taking a view is not a read (``buf.select(0, i)`` made before a write to ``buf`` reads
+    nothing); the view's own readers are checked, since the view is a member of the storage."""
     tensors, liveness = am.get(Tensors), am.get(Liveness)
     position = liveness.position
     by_name = {n.name: n for n in graph.gm.graph.nodes}
@@ -149,8 +150,8 @@ def mutation_hazards(graph: CapturedGraph, am: AnalysisManager) -> frozenset[tup
                     if member == node.name or position.get(member, -1) >= p:
                         continue
                     for user in by_name[member].users:
-                        if user.op == "output":
-                            continue
+                        if user.op == "output" or is_pure_view(user):
+                            continue  # a view reads no data: its own readers are checked as members
                         if position[user.name] > p:
                             hazards.add((node.name, user.name))
     return frozenset(hazards)

@@ -243,7 +243,8 @@ def check_order(original, scheduled):
 def test_random_programs_keep_every_constraint_and_never_rise(seed, train, steps):
     model, inputs = random_model(seed, steps=steps, requires_grad_input=train)
     graph = capture(model, *inputs, train=train, seed="tangents")
-    reference = capture(model, *inputs, train=train, seed="tangents")
+    # inplace may add and remove nodes (fused accumulations, concatenations): schedule's reference is its output
+    reference = run(capture(model, *inputs, train=train, seed="tangents"), "inplace").graph
     before = peak(graph)
     result = run(graph, "inplace,schedule")
     check_order(reference, result.graph)
