@@ -35,9 +35,15 @@ Stages
 (4) Recompute or save. Forward values the backward body reads are recomputed in the body (with their
     ancestors in ``R`` up to materialised values), except, in one candidate variant, small ones
     (integer indices, log-sum-exps) saved by the forward loop when that removes recomputation.
-(5) Candidates and policy. For each of the best-ranked regions, each variant and a ladder of chunk
-    counts, the transformed graph is built once, its peak simulated (re-walked per chunk count) and
-    its extra compute estimated with a cost model (:class:`CostRates`: FLOPs, bytes moved, a fixed cost
+(5) Candidates and policy. A region is first priced without building anything: a lower bound on
+    its peak (the untouched graph's storages, less what the loops do not keep, with reads moved to
+    the loops: :func:`_peak_bound`) and on its extra compute (a dispatch per op per extra chunk, the
+    recomputation, all bytes at cache speed: :func:`_overhead_bound`). A region that cannot beat the
+    policy's threshold on either is skipped. Each remaining region and variant is built once, at the
+    coarsest chunk count; every count of the ladder is then priced from that build (a body at another
+    length has the same nodes, storages and live intervals, only the values that carry the index
+    change size: :class:`BodyModel`), its graph peak re-walked with the loops' scratch sizes and its
+    extra compute estimated with a cost model (:class:`CostRates`: FLOPs, bytes moved, a fixed cost
     per op and per chunk); when the index is used up (chunks of one unit), the loop bodies are
     chunked again along a second index (nested chunking: the tokens of each sequence).
     ``ctx.policy.choose`` picks one candidate, or none (the unchunked graph is a candidate).
@@ -99,7 +105,7 @@ from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph, Phase
 from memplan.errors import InfeasibleBudgetError
 from memplan.graphutil import is_random, mutated_args, packet_name
-from memplan.passes._chunk.cost import CostRates, graph_cost, module_cost
+from memplan.passes._chunk.cost import CostRates, graph_cost, module_cost, op_work
 from memplan.passes._chunk.graphs import (
     ALIAS_OPS,
     RegionBackward,
@@ -111,7 +117,16 @@ from memplan.passes._chunk.graphs import (
     region_backward,
     stable_toposort,
 )
-from memplan.passes._chunk.loops import ChunkLoop, LoopInput, LoopOutput, LoopSpec, body_graph, body_peak, build_body
+from memplan.passes._chunk.loops import (
+    BodyModel,
+    ChunkLoop,
+    LoopInput,
+    LoopOutput,
+    LoopSpec,
+    body_graph,
+    body_peak,
+    build_body,
+)
 from memplan.passes._chunk.rules import (
     REP,
     VIEW_OPS,
@@ -202,21 +217,35 @@ class _Flood:
 
 
 def _flood_forward(order: Sequence[torch.fx.Node], seeds: Mapping[torch.fx.Node, Split], barriers: set[str]) -> _Flood:
-    """Propagate chunk states forward from the sliced ``seeds`` (stage 2)."""
+    """Propagate chunk states forward from the sliced ``seeds`` (stage 2).
+
+    A rule that needs an input sliced or rebuilt chunk-sized changes that input's state. When nothing
+    walked so far read that input, the rule is simply asked again; otherwise, as states only flow
+    forward, the walk resumes at the first node the input can affect, keeping what it found before."""
+    position = {node: i for i, node in enumerate(order)}
     slices = dict(seeds)
     relabel: dict[torch.fx.Node, Split] = {}
     pulled: set[torch.fx.Node] = set()  # shape-only values the region writes in place: made per chunk
+    states: dict[torch.fx.Node, State] = {}
+    tainted: set[torch.fx.Node] = set()
+
+    def st(x: Any) -> State:
+        if x in slices:
+            return slices[x]
+        return states.get(x, REP)
+
+    def first_affected(changed: Sequence[torch.fx.Node]) -> int:
+        at = [position[n] for n in changed if n in position]
+        at += [position[u] for n in changed for u in n.users if u in position]
+        return min(at, default=len(order))
+
+    start = 0
     for _ in range(_MAX_RESTARTS):
-        states: dict[torch.fx.Node, State] = {}
-        tainted: set[torch.fx.Node] = set()
-
-        def st(x: Any) -> State:
-            if x in slices:
-                return slices[x]
-            return states.get(x, REP)
-
-        restart = False
-        for node in order:
+        for node in order[start:]:
+            states.pop(node, None)
+            tainted.discard(node)
+        changed: list[torch.fx.Node] = []
+        for node in order[start:]:
             if node in slices:
                 continue
             if node in relabel:
@@ -231,59 +260,70 @@ def _flood_forward(order: Sequence[torch.fx.Node], seeds: Mapping[torch.fx.Node,
                 continue
             if not any(a in states or a in slices for a in inputs):
                 continue
-            foreign = [m for m in mutated_args(node) if not owned_by(m, set(states))]
+            foreign = [m for m in mutated_args(node) if not owned_by(m, states)]
             if foreign and all(packet_name(m) in _RELABEL_FACTORIES and m not in pulled for m in foreign):
                 pulled.update(foreign)
-                restart = True
+                changed = foreign
                 break
             result = chunk_rule(node, st, _is_zero_factory)
             if node.name in barriers or foreign and result != Partial("inplace"):
                 tainted.add(node)
                 continue
-            if isinstance(result, Need):
+            while isinstance(result, Need):
                 target = result.node
                 if target in tainted or target in slices:
-                    tainted.add(node)
-                    continue
+                    break
                 if target in states:
-                    if isinstance(states[target], Replicated) and _relabelable(target, result.state, st):
-                        relabel[target] = result.state
-                        restart = True
+                    if not (isinstance(states[target], Replicated) and _relabelable(target, result.state, st)):
                         break
-                    tainted.add(node)
-                    continue
-                if _relabelable(target, result.state, st):
+                    relabel[target] = result.state
+                elif _relabelable(target, result.state, st):
                     relabel[target] = result.state
                 else:
                     slices[target] = result.state
-                restart = True
+                if any(position.get(u, len(order)) < position[node] for u in target.users):
+                    changed = [target]  # something before this node read the old state: walk again from there
+                    break
+                if target in relabel and target in position:
+                    states[target] = relabel[target]
+                result = chunk_rule(node, st, _is_zero_factory)
+            if changed:
                 break
+            if isinstance(result, Need):
+                tainted.add(node)
+                continue
             if isinstance(result, Barrier):
                 tainted.add(node)
                 continue
             states[node] = result
-        if not restart:
+        if not changed:
             return _Flood(states, slices, relabel, tainted)
+        start = first_affected(changed)
     return _Flood({}, slices, relabel, set())
 
 
 def _flood_backward(order: Sequence[torch.fx.Node], fixed: Mapping[torch.fx.Node, State]) -> _Flood:
-    """Propagate chunk states through a region's backward from what it reads (stage 3)."""
+    """Propagate chunk states through a region's backward from what it reads (stage 3); a changed
+    input is handled as in :func:`_flood_forward` (asked again, or the walk resumes where it matters)."""
     slices: dict[torch.fx.Node, Split] = {}
     relabel: dict[torch.fx.Node, Split] = {}
     members = set(order)
+    position = {node: i for i, node in enumerate(order)}
+    states: dict[torch.fx.Node, State] = {}
+
+    def st(x: Any) -> State:
+        if x in slices:
+            return slices[x]
+        if x in states:
+            return states[x]
+        return fixed.get(x, REP)
+
+    start = 0
     for _ in range(_MAX_RESTARTS):
-        states: dict[torch.fx.Node, State] = {}
-
-        def st(x: Any) -> State:
-            if x in slices:
-                return slices[x]
-            if x in states:
-                return states[x]
-            return fixed.get(x, REP)
-
-        restart = False
-        for node in order:
+        for node in order[start:]:
+            states.pop(node, None)
+        changed: torch.fx.Node | None = None
+        for node in order[start:]:
             if node in relabel:
                 states[node] = relabel[node]
                 continue
@@ -291,7 +331,7 @@ def _flood_backward(order: Sequence[torch.fx.Node], fixed: Mapping[torch.fx.Node
             result = chunk_rule(node, st, _is_zero_factory)
             if any(m in slices or not owned_by(m, members) and result != Partial("inplace") for m in mutated):
                 return _Flood(states, slices, relabel, set(), failed=node)
-            if isinstance(result, Need):
+            while isinstance(result, Need):
                 target, want = result.node, result.state
                 if target in slices:
                     return _Flood(states, slices, relabel, set(), failed=node)
@@ -306,13 +346,21 @@ def _flood_backward(order: Sequence[torch.fx.Node], fixed: Mapping[torch.fx.Node
                     slices[target] = want
                 else:
                     return _Flood(states, slices, relabel, set(), failed=node)
-                restart = True
+                if any(position.get(u, len(order)) < position[node] for u in target.users):
+                    changed = target
+                    break
+                if target in relabel and target in position:
+                    states[target] = relabel[target]
+                result = chunk_rule(node, st, _is_zero_factory)
+            if changed is not None:
                 break
             if isinstance(result, Barrier):
                 return _Flood(states, slices, relabel, set(), failed=node)
             states[node] = result
-        if not restart:
+        if changed is None:
             return _Flood(states, slices, relabel, set())
+        at = [position[changed]] if changed in position else []
+        start = min(at + [position[u] for u in changed.users if u in position])
     return _Flood({}, slices, relabel, set(), failed=order[0] if order else None)
 
 
@@ -589,9 +637,10 @@ def _make_loops(
     mode,
     compile: bool,
     inner: Mapping[int, "ChunkPlan"] | None = None,
-) -> tuple[dict[int, ChunkLoop], list[LoopOutput]]:
+) -> tuple[dict[int, ChunkLoop], list[LoopOutput], Callable[[str, int | None], bool]]:
     """Loop modules running ``nodes`` chunk by chunk, one per chunk size in ``sizes``; a body of a
-    length in ``inner`` is chunked again by that plan."""
+    length in ``inner`` is chunked again by that plan. Also returns ``scales(name, index)``: whether a
+    body value (item ``index`` of body node ``name``) carries the index (see :class:`BodyModel`)."""
     body_outputs: list[tuple[torch.fx.Node, int | None]] = [(o, None) for o in outputs]
     specs = [_output_spec(o, states.get(o, REP)) for o in outputs]
     input_index = {node: i for i, (node, _) in enumerate(inputs)}
@@ -639,7 +688,16 @@ def _make_loops(
         scratch = max(body_peak(b) for b in bodies.values())
         spec = LoopSpec(region.units, size, loop_inputs, tuple(specs), scratch)
         loops[size] = ChunkLoop(spec, bodies)
-    return loops, specs
+    body_states = {node.name: states.get(node, REP) for node in nodes}
+    body_states.update({f"{node.name}_in": state for node, state in inputs})
+
+    def scales(name: str, index: int | None) -> bool:
+        state = body_states.get(name, REP)
+        if isinstance(state, tuple):
+            state = state[index] if index is not None and index < len(state) else REP
+        return isinstance(state, Split)
+
+    return loops, specs, scales
 
 
 def _insert_loop(graph_state: dict, gm: torch.fx.GraphModule, loop: ChunkLoop, specs, args, phase: Phase, like: torch.fx.Node,
@@ -677,13 +735,22 @@ def _insert_loop(graph_state: dict, gm: torch.fx.GraphModule, loop: ChunkLoop, s
 
 def apply_region(graph: CapturedGraph, region: ChunkRegion) -> CapturedGraph:
     """Stage 6 for one region: a new graph with the region replaced by a forward and a backward loop."""
-    new, _ = _apply_region(graph, region, compile=True)
-    return new
+    return _apply_region(graph, region, compile=True).graph
 
 
-def _apply_region(graph: CapturedGraph, region: ChunkRegion, compile: bool):
-    """:func:`apply_region`, also returning ``loops_for(size)``: the ``(loop node, module)`` pairs that
-    run the same region with another chunk size (built on demand, from the input graph's nodes)."""
+@dataclasses.dataclass
+class _Applied:
+    """A region applied at one chunk size: the new graph, ``loops_for(size)`` (the ``(loop node,
+    module)`` pairs that run the region with another chunk size, built on demand from the input
+    graph's nodes) and, per loop, ``scales(name, index)`` for :class:`BodyModel`."""
+
+    graph: CapturedGraph
+    loops_for: Callable[[int], list[tuple[torch.fx.Node, ChunkLoop]]]
+    scales: list[Callable[[str, int | None], bool]]
+
+
+def _apply_region(graph: CapturedGraph, region: ChunkRegion, compile: bool) -> _Applied:
+    """:func:`apply_region`, with what candidate evaluation needs to price other chunk sizes."""
     src = {n.name: n for n in graph.gm.graph.nodes}  # bodies are built from the untouched input graph
     graph = copy_graph(graph, compile=False)
     gm = graph.gm
@@ -706,7 +773,8 @@ def _apply_region(graph: CapturedGraph, region: ChunkRegion, compile: bool):
     f_inputs = [(a, sources.get(a, REP)) for a in _external_inputs(f_nodes)]
     f_outputs = [src[n] for n in (*region.outputs, *region.saved)]
     builders = [lambda sizes: _make_loops(region, sizes, f_nodes, f_inputs, f_outputs, fstates, mode, compile, inner["forward"])]
-    loops, specs = builders[0]([region.chunk])
+    loops, specs, f_scales = builders[0]([region.chunk])
+    scales = [f_scales]
     new_fwd = _insert_loop(state, gm, loops[region.chunk], specs, [by_name[a.name] for a, _ in f_inputs], Phase.FORWARD, anchor, seq, mode)
     calls = [new_fwd[0]]
     priority = dict(original)
@@ -734,7 +802,8 @@ def _apply_region(graph: CapturedGraph, region: ChunkRegion, compile: bool):
         states = {**{src[n]: fstates[src[n]] for n in region.recompute}, **{src[n]: s for n, s in region.backward}}
         b_outputs = [src[n] for n in region.backward_outputs]
         builders.append(lambda sizes: _make_loops(region, sizes, b_nodes, b_inputs, b_outputs, states, mode, compile, inner["backward"]))
-        bloops, bspecs = builders[1]([region.chunk])
+        bloops, bspecs, b_scales = builders[1]([region.chunk])
+        scales.append(b_scales)
         args = [materialised.get(by_name[a.name], by_name[a.name]) for a, _ in b_inputs]
         new_bwd = _insert_loop(state, gm, bloops[region.chunk], bspecs, args, Phase.BACKWARD, body[0], seq, mode)
         calls.append(new_bwd[0])
@@ -771,7 +840,7 @@ def _apply_region(graph: CapturedGraph, region: ChunkRegion, compile: bool):
             cache[size] = [(call, build([size])[0][size]) for call, build in zip(calls, builders)]
         return cache[size]
 
-    return new, loops_for
+    return _Applied(new, loops_for, scales)
 
 
 def _use_loops(graph: CapturedGraph, swap: Sequence[tuple[torch.fx.Node, ChunkLoop]]) -> None:
@@ -788,7 +857,7 @@ def _use_loops(graph: CapturedGraph, swap: Sequence[tuple[torch.fx.Node, ChunkLo
 def apply_chunk(graph: CapturedGraph, plan: ChunkPlan, compile: bool = True) -> CapturedGraph:
     """Apply every region of ``plan`` in order (a new graph; ``graph`` is not modified)."""
     for region in plan.regions:
-        graph, _ = _apply_region(graph, region, compile)
+        graph = _apply_region(graph, region, compile).graph
     return graph
 
 
@@ -948,7 +1017,113 @@ def _potential(graph: CapturedGraph, region: ChunkRegion, tensors: Tensors) -> i
     return freed - held
 
 
-def _regions(graph: CapturedGraph, options: ChunkOptions) -> list[ChunkRegion]:
+def _peak_bound(graph: CapturedGraph, region: ChunkRegion, tensors: Tensors, liveness: Liveness) -> int:
+    """A lower bound on the peak of ``graph`` with ``region`` chunked, from the graph's own analyses
+    (nothing is built): the loops' scratch counts as zero.
+
+    The chunked graph keeps the nodes outside the region in their order. The region's values that no
+    loop materialises disappear; a loop's output is born when its loop runs, at the latest where it is
+    first read; a value the region reads is read at its loop, at the earliest where the region's first
+    forward node (forward loop) or first backward node (backward loop, which also runs the recomputed
+    forward nodes) ran. Earliest reads and latest births keep it a lower bound.
+
+    Regions whose bound is no better than the policy's threshold are not built. Example of one: chunking
+    a recurrence along its batch makes the backward loop read every step's input, which the untouched
+    backward had dropped step by step; the bound is above the untouched peak.
+    """
+    position = liveness.position
+    forward = [n for n, _ in region.forward]
+    body = [n for n, _ in region.backward]
+    f_at = min(position[n] for n in forward)
+    b_at = min((position[n] for n in body), default=f_at)
+    kept = set(region.outputs) | set(region.saved) | set(region.backward_outputs)
+    in_forward, in_body, recomputed = set(forward), set(body), set(region.recompute)
+    by_name = {n.name: n for n in graph.gm.graph.nodes}
+
+    def read_at(user: str) -> list[int]:
+        if user in in_body:
+            return [b_at]
+        if user in in_forward:
+            return [f_at, b_at] if user in recomputed else [f_at]
+        return [position[user]] if user in position else []
+
+    members = in_forward | in_body
+    born: dict[int, int] = {}
+    dies: dict[int, int] = {}
+
+    def hold(start: int, end: int, size: int, readers: list[str]) -> None:
+        if end < liveness.end:
+            end = max([start] + [at for reader in readers for at in read_at(reader)])
+        born[start] = born.get(start, 0) + size
+        if end < liveness.end:
+            dies[end] = dies.get(end, 0) + size
+
+    for sid, storage in tensors.storages.items():
+        if storage.external:
+            continue
+        interval = liveness.intervals[sid]
+        if storage.creator not in members:
+            readers = [u.name for m in storage.members for u in by_name[m].users] + list(storage.members)
+            hold(interval.start, interval.end, storage.nbytes, readers)
+            continue
+        # a region value: gone, unless a loop materialises it (a fresh tensor of the kept value's size)
+        for member in storage.members:
+            if member not in kept:
+                continue
+            readers = [u.name for u in by_name[member].users]
+            reads = sorted(at for reader in readers for at in read_at(reader))
+            first = reads[0] if reads else interval.start
+            start = max(b_at, first) if member in in_body else first
+            size = sum(info.nbytes for info in tensors.tensors[member] if info.storage == sid)
+            hold(start, interval.end, size, readers)
+    live = peak = 0
+    for index in range(liveness.end):
+        live += born.get(index, 0)
+        peak = max(peak, live)
+        live -= dies.get(index, 0)
+    return peak
+
+
+_DROPPED_IN_BODIES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)  # see build_body
+
+
+def _overhead_bound(graph: CapturedGraph, region: ChunkRegion, rates: CostRates, chunks: int) -> float:
+    """A lower bound, in seconds, on the extra time of ``region`` run in at least ``chunks`` chunks
+    (nothing is built), under the cost model.
+
+    Every op of a loop body runs once per chunk, so it pays ``chunks`` dispatches where the untouched
+    graph paid one; the chunks together move at least the op's bytes, possibly from cache (the only
+    saving chunking can bring, counted in full); recomputed forward ops run once more on top, at
+    cache speed; each chunk of each loop costs ``chunk_seconds``. More chunks only add dispatches, so
+    the bound for the fewest chunks holds for every candidate of the region, nested ones included.
+    """
+    by_name = {n.name: n for n in graph.gm.graph.nodes}
+    extra = chunks * rates.chunk_seconds * (2 if region.backward else 1)
+    for name in [n for n, _ in region.forward] + [n for n, _ in region.backward]:
+        work = op_work(by_name[name])
+        if work.none:
+            continue
+        if by_name[name].target in _DROPPED_IN_BODIES:
+            extra -= rates.view_dispatch
+            continue
+        extra += (chunks - 1) * (rates.view_dispatch if work.view else rates.dispatch)
+        traffic = work.fixed_bytes + work.scaled_bytes
+        if not work.view and traffic > rates.cache_bytes:
+            extra -= traffic / rates.bandwidth - traffic / rates.cache_bandwidth
+    for name in region.recompute:
+        work = op_work(by_name[name])
+        if work.none or by_name[name].target in _DROPPED_IN_BODIES:
+            continue
+        if work.view:
+            extra += chunks * rates.view_dispatch
+            continue
+        traffic = work.fixed_bytes + work.scaled_bytes
+        extra += chunks * rates.dispatch + work.flops / rates.flops + traffic / rates.cache_bandwidth
+    return extra
+
+
+def _regions(graph: CapturedGraph, options: ChunkOptions, tensors: Tensors) -> list[ChunkRegion]:
+    """Stages 1-4 for every seed set: the distinct regions, ranked by the bytes they could free."""
     found: dict[tuple, ChunkRegion] = {}
     for label, seeds in _seed_sets(graph, options):
         region = _analyse(graph, seeds, label)
@@ -956,7 +1131,6 @@ def _regions(graph: CapturedGraph, options: ChunkOptions) -> list[ChunkRegion]:
             continue
         key = (region.units, tuple(n for n, _ in region.forward), tuple(n for n, _ in region.backward))
         found.setdefault(key, region)
-    tensors = AnalysisManager(graph).get(Tensors)
     ranked = sorted(found.values(), key=lambda r: (-_potential(graph, r, tensors), r.label))
     size = sum(1 for _ in graph.gm.graph.nodes)
     return ranked[: max(options.evaluate, min(3 * options.evaluate, options.evaluate_nodes // max(size, 1)))]
@@ -983,46 +1157,60 @@ def _evaluate(graph: CapturedGraph, region: ChunkRegion, sizes: list[int], base_
     each size re-runs the peak walk with the loops' scratch sizes (see :func:`_walk_peak`).
     """
     try:
-        new, loops_for = _apply_region(graph, dataclasses.replace(region, chunk=sizes[0]), compile=False)
+        applied = _apply_region(graph, dataclasses.replace(region, chunk=sizes[0]), compile=False)
     except (RuntimeError, ValueError, TypeError, IndexError):
         # a body that does not trace at this size (the rules missed a constraint): not a candidate
         return []
-    am = AnalysisManager(new)
+    am = AnalysisManager(applied.graph)
     tensors, liveness = am.get(Tensors), am.get(Liveness)
-    calls = [call for call, _ in loops_for(sizes[0])]
-    scratch_ids = [tensors.storages_of(call.name)[-1] for call in calls]
-    fixed_cost = module_cost(new.gm, options.rates) - sum(loop.cost(options.rates) for _, loop in loops_for(sizes[0]))
+    built = applied.loops_for(sizes[0])
+    scratch_ids = [tensors.storages_of(call.name)[-1] for call, _ in built]
+    fixed_cost = module_cost(applied.graph.gm, options.rates) - sum(loop.cost(options.rates) for _, loop in built)
+    models = [BodyModel.of(loop.bodies[str(sizes[0])], scales, sizes[0]) for (_, loop), scales in zip(built, applied.scales)]
     candidates: list[Candidate] = []
     stopped = False
     for size in sizes:
-        try:
-            loops = [loop for _, loop in loops_for(size)]
-        except (RuntimeError, ValueError, TypeError, IndexError):
-            continue
-        peak = _walk_peak(tensors, liveness, dict(zip(scratch_ids, (loop.spec.scratch for loop in loops))))
-        cost = fixed_cost + sum(loop.cost(options.rates) for loop in loops)
+        chunks = -(-region.units // size)
+        last = region.units - (chunks - 1) * size
+        scratch = [max(model.peak(size), model.peak(last)) for model in models]
+        peak = _walk_peak(tensors, liveness, dict(zip(scratch_ids, scratch)))
+        cost = fixed_cost + sum(
+            (chunks - 1) * model.cost(size, options.rates) + model.cost(last, options.rates) + chunks * options.rates.chunk_seconds
+            for model in models
+        )
         overhead = max(0.0, cost / base_cost - 1.0) if base_cost > 0 else 0.0
         variant = dataclasses.replace(region, chunk=size)
         label = f"{region.label}: {variant.chunks} chunks" + (f", {len(region.saved)} saved" if region.saved else "")
         candidates.append(Candidate(variant, peak, overhead, label))
         # The overhead is not monotone in the chunk count (chunks that fit in cache run faster), so
         # only a hopeless overhead stops the ladder; under a budget the first fit stops it.
-        hopeless = policy.budget is None and overhead > 2.0 * policy.max_overhead + 0.2
+        hopeless = policy.budget is None and overhead > _hopeless(policy)
         if hopeless or policy.budget is not None and peak <= policy.budget:
             stopped = True
             break
     if options.nest and candidates and not stopped:
         finest = candidates[-1]
-        nested = _nested_variant(loops_for(finest.plan.chunk), finest, options, policy)
+        try:
+            swap = applied.loops_for(finest.plan.chunk)
+        except (RuntimeError, ValueError, TypeError, IndexError):
+            return candidates
+        nested = _nested_variant(swap, finest, options, policy)
         if nested is not None:
             try:
-                new, _ = _apply_region(graph, nested, compile=False)
+                new = _apply_region(graph, nested, compile=False).graph
             except (RuntimeError, ValueError, TypeError, IndexError):
                 return candidates
             peak = AnalysisManager(new).get(PeakSimulation).peak
             overhead = max(0.0, graph_cost(new, options.rates) / base_cost - 1.0) if base_cost > 0 else 0.0
             candidates.append(Candidate(nested, peak, overhead, f"{region.label}: {nested.chunks} chunks, nested"))
     return candidates
+
+
+def _hopeless(policy: Policy) -> float:
+    """Overhead beyond which no policy without a budget takes a candidate, nor one with more chunks:
+    twice the allowance plus 0.2 (margin for the cost model's error and for overhead that falls again
+    when chunks start to fit in cache)."""
+    return 2.0 * policy.max_overhead + 0.2
 
 
 def _walk_peak(tensors: Tensors, liveness: Liveness, sizes: Mapping[int, int]) -> int:
@@ -1089,35 +1277,48 @@ def plan_chunk(graph: CapturedGraph, policy, options: Mapping[str, Any] | None =
     return _plan(graph, policy, options)[0]
 
 
-def _plan(graph: CapturedGraph, policy, options: Mapping[str, Any] | None) -> tuple[ChunkPlan, CapturedGraph]:
-    """:func:`plan_chunk` that also returns the graph with the plan applied (built while planning)."""
+def _plan(
+    graph: CapturedGraph, policy, options: Mapping[str, Any] | None, am: AnalysisManager | None = None
+) -> tuple[ChunkPlan, CapturedGraph]:
+    """:func:`plan_chunk` that also returns the graph with the plan applied (built while planning);
+    ``am`` holds analyses of ``graph`` already computed."""
     opts = options if isinstance(options, ChunkOptions) else ChunkOptions.from_options(options or {})
     chosen: list[ChunkRegion] = []
     current = graph
+    am = am if am is not None else AnalysisManager(graph)
     for _ in range(opts.regions):
-        base_peak = AnalysisManager(current).get(PeakSimulation).peak
+        base_peak = am.get(PeakSimulation).peak
         base_cost = graph_cost(current, opts.rates)
         candidates: list[Candidate] = [Candidate(None, base_peak, 0.0, "unchunked")]
-        # Steps 1-4 find the regions; step 5 builds and measures their candidates.
-        for region in _regions(current, opts):
+        over_budget = policy.budget is not None and base_peak > policy.budget
+        worth = base_peak if over_budget else (1.0 - opts.min_gain) * base_peak
+        tensors, liveness = am.get(Tensors), am.get(Liveness)
+        # Steps 1-4 find the regions; step 5 prices the candidates of those that can pay (a peak
+        # below the policy's threshold, an overhead not hopeless), building each variant once.
+        for region in _regions(current, opts, tensors):
+            if _peak_bound(current, region, tensors, liveness) >= worth:
+                continue
             for variant, sizes in _variants(current, region, opts):
+                fewest = -(-region.units // sizes[0])
+                if policy.budget is None and _overhead_bound(current, variant, opts.rates, fewest) > policy.max_overhead * base_cost:
+                    continue
                 candidates.extend(_evaluate(current, variant, sizes, base_cost, opts, policy))
         try:
             best = policy.choose(candidates)
         except InfeasibleBudgetError:
             best = min(candidates, key=lambda c: (c.peak, c.overhead, c.label))
-        over_budget = policy.budget is not None and base_peak > policy.budget
         if best.plan is None or (best.peak > (1.0 - opts.min_gain) * base_peak and not over_budget):
             break
         chosen.append(best.plan)
         current = apply_region(current, best.plan)
+        am = AnalysisManager(current)
     return ChunkPlan(tuple(chosen)), current
 
 
 @register_pass("chunk")
 def chunk(graph: CapturedGraph, ctx: PassContext) -> PassResult:
     """Run regions whose huge intermediates are reduced or sliced away in chunks (see the module docstring)."""
-    plan, new = _plan(graph, ctx.policy, ctx.options)
+    plan, new = _plan(graph, ctx.policy, ctx.options, ctx.am)
     if not plan.regions:
         return PassResult(graph, changed=False, plan=plan)
     before = ctx.am.get(PeakSimulation).peak

@@ -308,3 +308,65 @@ def test_random_programs_are_untouched_or_equivalent(seed):
 def test_plans_are_deterministic():
     graph = dataclasses.replace(capture(PairwiseL1Min(), torch.randn(40, 16), torch.randn(30, 16)), lifetimes="graph")
     assert plan_chunk(graph, Policy(max_overhead=10.0)) == plan_chunk(graph, Policy(max_overhead=10.0))
+
+
+# ----------------------------------------------------------------------------------------------
+# planning: one build per region variant, and bounds that prune without building
+
+
+def _regions_of(model, inputs, train=True):
+    from memplan.analysis.tensors import Tensors
+    from memplan.passes import chunk as chunk_pass
+
+    graph = dataclasses.replace(capture(model, *inputs, train=train), lifetimes="graph")
+    am = AnalysisManager(graph)
+    return graph, am, chunk_pass._regions(graph, chunk_pass.ChunkOptions(), am.get(Tensors))
+
+
+@pytest.mark.parametrize("name,model,inputs", HAND[:4], ids=[h[0] for h in HAND[:4]])
+def test_one_built_body_prices_every_chunk_length(name, model, inputs):
+    # A body at another chunk length has the same nodes, storages and live intervals; values that
+    # carry the index scale with the length. So one build gives every length's peak and cost exactly.
+    from memplan.passes import chunk as chunk_pass
+    from memplan.passes._chunk.cost import CostRates, module_cost
+    from memplan.passes._chunk.loops import BodyModel, body_peak
+
+    graph, _, regions = _regions_of(model, inputs)
+    rates = CostRates()
+    checked = 0
+    for region in regions[:2]:
+        sizes = sorted({-(-region.units // k) for k in (2, 3, 8) if k <= region.units}, reverse=True)
+        applied = chunk_pass._apply_region(graph, dataclasses.replace(region, chunk=sizes[0]), compile=False)
+        built = applied.loops_for(sizes[0])
+        models = [BodyModel.of(loop.bodies[str(sizes[0])], scales, sizes[0]) for (_, loop), scales in zip(built, applied.scales)]
+        for size in sizes:
+            for (_, loop), body_model in zip(applied.loops_for(size), models):
+                for length, body in loop.bodies.items():
+                    assert body_model.peak(int(length)) == body_peak(body)
+                    assert body_model.cost(int(length), rates) == pytest.approx(module_cost(body, rates), rel=1e-9)
+                    checked += 1
+    assert checked
+
+
+@pytest.mark.parametrize("name,model,inputs", HAND, ids=[h[0] for h in HAND])
+def test_pruning_bounds_never_exceed_what_is_built(name, model, inputs):
+    # Regions are skipped when their peak bound or overhead bound already fails the policy: both must
+    # be lower bounds of every candidate the region would have produced.
+    from memplan.analysis.liveness import Liveness
+    from memplan.analysis.tensors import Tensors
+    from memplan.passes import chunk as chunk_pass
+    from memplan.passes._chunk.cost import graph_cost
+
+    graph, am, regions = _regions_of(model, inputs)
+    options = chunk_pass.ChunkOptions()
+    base_cost = graph_cost(graph, options.rates)
+    tensors, liveness = am.get(Tensors), am.get(Liveness)
+    for region in regions:
+        peak_bound = chunk_pass._peak_bound(graph, region, tensors, liveness)
+        for variant, sizes in chunk_pass._variants(graph, region, options):
+            candidates = chunk_pass._evaluate(graph, variant, sizes, base_cost, options, Policy(max_overhead=100.0))
+            fewest = -(-region.units // sizes[0])
+            overhead_bound = chunk_pass._overhead_bound(graph, variant, options.rates, fewest) / base_cost
+            for c in candidates:
+                assert peak_bound <= c.peak, c.label
+                assert overhead_bound <= c.overhead + 1e-9, c.label

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+from collections.abc import Callable
 
 import torch
 import torch.fx
@@ -14,7 +15,7 @@ from memplan.graphutil import packet_name
 from memplan.passes._chunk.graphs import ALIAS_OPS
 from memplan.passes._chunk.rules import is_tensor, nbytes, shape_of
 
-__all__ = ["CostRates", "node_cost", "module_cost", "graph_cost"]
+__all__ = ["CostRates", "OpWork", "op_work", "node_cost", "module_cost", "graph_cost"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -44,10 +45,43 @@ class CostRates:
 _NO_TRAFFIC = ALIAS_OPS | {"getitem", "_unsafe_view", "empty", "new_empty", "new_empty_strided", "empty_strided"}
 
 
-def node_cost(node: torch.fx.Node, rates: CostRates) -> float:
+@dataclasses.dataclass(frozen=True)
+class OpWork:
+    """What one op computes and moves, in two parts: the part that scales with a loop body's chunk
+    length (values that carry the chunked index) and the fixed part (values every chunk sees whole).
+
+    ``view``: the op allocates and moves nothing (priced at ``view_dispatch``); ``none``: not priced at
+    all (``getitem`` of a tuple)."""
+
+    flops: float = 0.0
+    flops_scale: bool = False
+    fixed_bytes: int = 0
+    scaled_bytes: int = 0
+    view: bool = False
+    none: bool = False
+
+    def price(self, rates: CostRates, factor: float = 1.0) -> float:
+        """Seconds at ``factor`` times the length the work was measured at."""
+        if self.none:
+            return 0.0
+        if self.view:
+            return rates.view_dispatch
+        flops = self.flops * (factor if self.flops_scale else 1.0)
+        traffic = self.fixed_bytes + self.scaled_bytes * factor
+        bandwidth = rates.cache_bandwidth if traffic <= rates.cache_bytes else rates.bandwidth
+        return flops / rates.flops + traffic / bandwidth + rates.dispatch
+
+
+def op_work(node: torch.fx.Node, scales: Callable[[torch.fx.Node], bool] = lambda n: False) -> OpWork:
+    """The work of ``node``; ``scales(value)`` tells which values carry a loop's chunked index.
+
+    FLOPs scale with the chunk length when any operand does (the index is then part of the
+    iteration space: rows, columns, the contraction or the batch of a matmul)."""
     name = packet_name(node)
     if node.target is operator.getitem:
-        return 0.0
+        return OpWork(none=True)
+    if name in _NO_TRAFFIC:
+        return OpWork(view=True)
     flops = 0
     if name in ("mm", "addmm", "bmm", "baddbmm"):
         a, b = (node.args[0], node.args[1]) if name in ("mm", "bmm") else (node.args[1], node.args[2])
@@ -57,11 +91,19 @@ def node_cost(node: torch.fx.Node, rates: CostRates) -> float:
     elif name == "convolution":
         weight = shape_of(node.args[1])
         flops = 2 * max(nbytes(node) // 4, 1) * math.prod(weight[1:]) if weight else 0
-    if name in _NO_TRAFFIC:
-        return rates.view_dispatch
-    traffic = nbytes(node) + sum(nbytes(a) for a in node.all_input_nodes if is_tensor(a))
-    bandwidth = rates.cache_bandwidth if traffic <= rates.cache_bytes else rates.bandwidth
-    return flops / rates.flops + traffic / bandwidth + rates.dispatch
+    fixed = scaled = 0
+    operands = [a for a in node.all_input_nodes if is_tensor(a)]
+    for value in [node, *operands]:
+        if scales(value):
+            scaled += nbytes(value)
+        else:
+            fixed += nbytes(value)
+    return OpWork(flops, any(scales(a) for a in operands) or scales(node), fixed, scaled)
+
+
+def node_cost(node: torch.fx.Node, rates: CostRates) -> float:
+    """Estimated seconds of one op (see :class:`CostRates`)."""
+    return op_work(node).price(rates)
 
 
 def module_cost(gm: torch.fx.GraphModule, rates: CostRates) -> float:

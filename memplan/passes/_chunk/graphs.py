@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import operator
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -44,7 +44,7 @@ ALIAS_OPS = {"view", "_unsafe_view", "reshape", "expand", "permute", "transpose"
               "split_with_sizes", "chunk", "unfold", "view_as", "_reshape_alias", "lift_fresh"}
 
 
-def owned_by(node: torch.fx.Node, members: set[torch.fx.Node]) -> bool:
+def owned_by(node: torch.fx.Node, members: Container[torch.fx.Node]) -> bool:
     """``node`` is a value created inside ``members`` (following views back to a non-view op)."""
     while node in members:
         if packet_name(node) in ALIAS_OPS or node.target is operator.getitem and packet_name(node.args[0]) in ALIAS_OPS:

@@ -19,15 +19,17 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.fx.graph import _BoxedCodeGen
 
+from memplan.analysis.liveness import Liveness
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation
+from memplan.analysis.tensors import Tensors, tensor_values
 from memplan.capture import CapturedGraph, InputSpec, OutputSpec, Phase
 from memplan.graphutil import packet_name
-from memplan.passes._chunk.cost import CostRates, module_cost
+from memplan.passes._chunk.cost import CostRates, OpWork, module_cost, op_work
 from memplan.passes._chunk.graphs import fake_call, graph_module
 from memplan.passes._chunk.rules import REP, Split, State, arg_of, norm_dim, shape_of
 
-__all__ = ["LoopInput", "LoopOutput", "LoopSpec", "ChunkLoop", "build_body", "body_graph", "body_peak"]
+__all__ = ["LoopInput", "LoopOutput", "LoopSpec", "ChunkLoop", "BodyModel", "build_body", "body_graph", "body_peak"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -270,12 +272,72 @@ class ChunkLoop(torch.nn.Module):
             return torch.minimum(acc, value, out=acc)
         raise ValueError(f"unknown combine {kind!r}")
 
-    def cost(self, rates: "CostRates") -> float:
+    def cost(self, rates: CostRates) -> float:
+        """Estimated seconds of one run: every chunk's body plus ``rates.chunk_seconds`` per chunk."""
+        per_length = {length: module_cost(body, rates) for length, body in self.bodies.items()}
         total = 0.0
         for k in range(self.spec.chunks):
             length = min(self.spec.chunk, self.spec.units - k * self.spec.chunk)
-            total += module_cost(self.bodies[str(length)], rates) + rates.chunk_seconds
+            total += per_length[str(length)] + rates.chunk_seconds
         return total
+
+
+@dataclasses.dataclass(frozen=True)
+class BodyModel:
+    """A loop body's peak and cost at any chunk length, from one body built at ``length``.
+
+    Changing the chunk length changes no node, no storage and no live interval of a body: a value that
+    carries the index changes its size in proportion to the length, every other value keeps its size.
+    So one built body prices every length: ``peak`` re-walks the body's storages with scaled sizes (the
+    walk of :class:`~memplan.analysis.peak.PeakSimulation`), ``cost`` scales each op's work
+    (:class:`~memplan.passes._chunk.cost.OpWork`).
+    """
+
+    length: int
+    storages: tuple[tuple[int, int, int, bool], ...]  # (born at, dies after (-1: never), bytes, scales)
+    steps: int
+    work: tuple[OpWork, ...]
+
+    @classmethod
+    def of(cls, body: torch.fx.GraphModule, scales: Callable[[str, int | None], bool], length: int) -> "BodyModel":
+        """``scales(name, index)``: the value of body node ``name`` (item ``index``) carries the index."""
+        graph = body_graph(body)
+        am = AnalysisManager(graph)
+        tensors, liveness = am.get(Tensors), am.get(Liveness)
+        storages = []
+        for sid, storage in tensors.storages.items():
+            if storage.external:
+                continue
+            index = next(info.index for info in tensors.tensors[storage.creator] if info.storage == sid)
+            interval = liveness.intervals[sid]
+            dies = interval.end if interval.end < liveness.end else -1
+            storages.append((interval.start, dies, storage.nbytes, scales(storage.creator, index)))
+
+        def node_scales(node: torch.fx.Node) -> bool:
+            items = [i for i, _ in tensor_values(node)]
+            return any(scales(node.name, i) for i in items)
+
+        work = tuple(op_work(n, node_scales) for n in body.graph.nodes if n.op == "call_function")
+        return cls(length, tuple(storages), len(liveness.order), work)
+
+    def peak(self, length: int) -> int:
+        born: dict[int, int] = {}
+        dies: dict[int, int] = {}
+        for start, end, size, scaled in self.storages:
+            size = size * length // self.length if scaled else size
+            born[start] = born.get(start, 0) + size
+            if end >= 0:
+                dies[end] = dies.get(end, 0) + size
+        live = peak = 0
+        for index in range(self.steps):
+            live += born.get(index, 0)
+            peak = max(peak, live)
+            live -= dies.get(index, 0)
+        return peak
+
+    def cost(self, length: int, rates: CostRates) -> float:
+        factor = length / self.length
+        return sum(w.price(rates, factor) for w in self.work)
 
 
 def body_peak(body: torch.fx.GraphModule) -> int:
