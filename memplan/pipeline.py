@@ -22,7 +22,7 @@ import json
 import pathlib
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.fx
@@ -36,6 +36,8 @@ from memplan.errors import PassError
 from memplan.graphutil import is_pure_view, mutated_args
 from memplan.policy import Policy
 
+T = TypeVar("T")
+
 __all__ = [
     "PassStats",
     "PassResult",
@@ -45,6 +47,7 @@ __all__ = [
     "PassManager",
     "register_pass",
     "registered_passes",
+    "pass_options",
     "parse_pipeline",
     "verify",
     "mutation_hazards",
@@ -125,6 +128,46 @@ def parse_pipeline(pipeline: str | Sequence[str] | None) -> tuple[str, ...]:
     if unknown:
         raise ValueError(f"unknown pass(es) {unknown}; registered passes are {sorted(_REGISTRY)}")
     return tuple(names)
+
+
+def pass_options(cls: type[T], prefix: str, options: Mapping[str, Any]) -> T:
+    """The frozen dataclass ``cls`` filled from the ``"<prefix>.<field>"`` keys of ``options``.
+
+    Keys of other passes are ignored; an unknown key of this pass is an error naming the valid ones.
+    Lists become tuples (the dataclasses are frozen and hashable); numbers and strings are converted to
+    the type of the field's default (``"64"`` for an ``int`` field is 64); a bool field takes only a bool.
+
+    Examples
+    --------
+    >>> @dataclasses.dataclass(frozen=True)
+    ... class Options:
+    ...     alignment: int = 64
+    ...     ops: tuple = ()
+    >>> pass_options(Options, "arena", {"arena.alignment": "128", "arena.ops": ["mm"], "remat.x": 1})
+    Options(alignment=128, ops=('mm',))
+    >>> pass_options(Options, "arena", {"arena.align": 8})
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown arena option(s) ['arena.align']; valid ones are ['arena.alignment', 'arena.ops']
+    """
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    mine = {key[len(prefix) + 1:]: value for key, value in options.items() if key.startswith(prefix + ".")}
+    unknown = sorted(f"{prefix}.{name}" for name in mine if name not in fields)
+    if unknown:
+        valid = sorted(f"{prefix}.{name}" for name in fields)
+        raise ValueError(f"unknown {prefix} option(s) {unknown}; valid ones are {valid}")
+    values = {}
+    for name, value in mine.items():
+        default = fields[name].default
+        if isinstance(value, (list, tuple)):
+            value = tuple(value)
+        elif isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise ValueError(f"option {prefix}.{name} takes True or False, not {value!r}")
+        elif isinstance(default, (int, float, str)) and not isinstance(value, type(default)):
+            value = type(default)(value)
+        values[name] = value
+    return cls(**values)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -63,7 +63,7 @@ from memplan.analysis.liveness import Liveness
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph
-from memplan.pipeline import PassContext, PassResult, register_pass
+from memplan.pipeline import PassContext, PassResult, pass_options, register_pass
 
 __all__ = ["ORDERS", "ArenaBuffer", "ArenaPlan", "ArenaOptions", "plan_arena", "place"]
 
@@ -99,10 +99,7 @@ class ArenaOptions:
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any]) -> "ArenaOptions":
-        return cls(
-            alignment=int(options.get("arena.alignment", 64)),
-            preallocate=bool(options.get("arena.preallocate", False)),
-        )
+        return pass_options(cls, "arena", options)
 
 
 @dataclasses.dataclass(frozen=True)

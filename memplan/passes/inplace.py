@@ -95,7 +95,7 @@ from memplan.analysis.peak import PeakSimulation
 from memplan.analysis.tensors import Tensors, tensor_values
 from memplan.capture import CapturedGraph, Phase
 from memplan.graphutil import GraphEditor, fake_value, is_random, mutated_args, packet_name
-from memplan.pipeline import PassContext, PassResult, PassStats, register_pass
+from memplan.pipeline import PassContext, PassResult, PassStats, pass_options, register_pass
 
 __all__ = [
     "INPLACE_OPS",
@@ -151,7 +151,7 @@ class InplaceOptions:
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any]) -> "InplaceOptions":
-        return cls(saved=bool(options.get("inplace.saved", False)))
+        return pass_options(cls, "inplace", options)
 
 
 @dataclasses.dataclass(frozen=True)

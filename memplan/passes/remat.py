@@ -110,7 +110,7 @@ from memplan.analysis.tensors import Tensors, tensor_values
 from memplan.capture import CapturedGraph, Phase
 from memplan.graphutil import GraphEditor, fake_value, is_random, mutated_args, packet_name
 from memplan.measure import format_bytes
-from memplan.pipeline import PassContext, PassResult, PassStats, register_pass
+from memplan.pipeline import PassContext, PassResult, PassStats, pass_options, register_pass
 from memplan.policy import Candidate, Policy
 
 __all__ = [
@@ -208,18 +208,7 @@ class RematOptions:
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any]) -> "RematOptions":
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(k for k in options if k.startswith("remat.") and k[len("remat."):] not in fields)
-        if unknown:
-            valid = sorted("remat." + f for f in fields)
-            raise ValueError(f"unknown remat option(s) {unknown}; valid ones are {valid}")
-        values = {}
-        for name in fields:
-            key = f"remat.{name}"
-            if key in options:
-                value = options[key]
-                values[name] = tuple(value) if isinstance(value, (list, tuple)) else value
-        return cls(**values)
+        return pass_options(cls, "remat", options)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -99,7 +99,7 @@ from memplan.passes.remat import (
     plan_copies,
     plan_stack_reads,
 )
-from memplan.pipeline import PassContext, PassResult, PassStats, register_pass
+from memplan.pipeline import PassContext, PassResult, PassStats, pass_options, register_pass
 from memplan.policy import Candidate, Policy
 
 __all__ = [
@@ -146,19 +146,7 @@ class TimestepOptions:
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any]) -> "TimestepOptions":
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(k for k in options if k.startswith("timesteps.") and k[len("timesteps."):] not in fields)
-        if unknown:
-            raise ValueError(
-                f"unknown timesteps option(s) {unknown}; valid ones are {sorted('timesteps.' + f for f in fields)}"
-            )
-        values = {}
-        for name in fields:
-            key = f"timesteps.{name}"
-            if key in options:
-                value = options[key]
-                values[name] = tuple(value) if isinstance(value, (list, tuple)) else value
-        return cls(**values)
+        return pass_options(cls, "timesteps", options)
 
 
 # ----------------------------------------------------------------------------------------------
