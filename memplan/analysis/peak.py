@@ -51,27 +51,27 @@ class PeakSimulation(Analysis):
     def compute(cls, graph: CapturedGraph, am: AnalysisManager) -> "PeakSimulation":
         tensors = am.get(Tensors)
         liveness = am.get(Liveness)
-        born: dict[int, list[int]] = {}
-        dies: dict[int, list[int]] = {}
+        born: dict[int, int] = {}  # position -> bytes allocated there
+        dies: dict[int, int] = {}  # position -> bytes freed after it
         for sid, storage in tensors.storages.items():
             if storage.external:
                 continue
             interval = liveness.intervals[sid]
-            born.setdefault(interval.start, []).append(sid)
+            born[interval.start] = born.get(interval.start, 0) + storage.nbytes
             if interval.end < liveness.end:
-                dies.setdefault(interval.end, []).append(sid)
+                dies[interval.end] = dies.get(interval.end, 0) + storage.nbytes
         by_name = {n.name: n for n in graph.gm.graph.nodes}
         live_bytes = 0
         peak, peak_index = 0, -1
         events = []
         for index, name in enumerate(liveness.order):
             # Step 1: allocate what this node creates.
-            allocated = sum(tensors.storages[sid].nbytes for sid in born.get(index, ()))
+            allocated = born.get(index, 0)
             live_bytes += allocated
             if live_bytes > peak:
                 peak, peak_index = live_bytes, index
             # Step 2: free what dies here.
-            freed = sum(tensors.storages[sid].nbytes for sid in dies.get(index, ()))
+            freed = dies.get(index, 0)
             events.append(SimEvent(index, name, _op_str(by_name[name]), allocated, freed, live_bytes))
             live_bytes -= freed
         # The storages live at the peak: born at or before it, dying at or after it.

@@ -12,7 +12,6 @@ from collections.abc import Mapping
 
 import torch
 import torch.fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from memplan.analysis.manager import Analysis, AnalysisManager
 from memplan.capture import CapturedGraph
@@ -64,33 +63,35 @@ class Tensors(Analysis):
 
     @classmethod
     def compute(cls, graph: CapturedGraph, am: AnalysisManager) -> "Tensors":
-        ids: dict[StorageWeakRef, int] = {}
+        ids: dict[int, int] = {}  # storage address -> id (fake values keep every storage alive)
         sizes: dict[int, int] = {}
         creators: dict[int, str] = {}
         external: dict[int, bool] = {}
         members: dict[int, list[str]] = {}
         tensors: dict[str, tuple[TensorInfo, ...]] = {}
         for node in graph.gm.graph.nodes:
+            name = node.name
             infos = []
             for index, value in tensor_values(node):
-                key = StorageWeakRef(value.untyped_storage())
-                if key not in ids:
-                    sid = len(ids)
-                    ids[key] = sid
-                    creators[sid] = node.name
+                storage = value.untyped_storage()
+                nbytes = int(storage.nbytes())
+                sid = ids.get(storage._cdata)
+                if sid is None:
+                    sid = ids[storage._cdata] = len(ids)
+                    creators[sid] = name
                     external[sid] = node.op in ("placeholder", "get_attr")
-                    sizes[sid] = int(value.untyped_storage().nbytes())
-                    members[sid] = []
-                sid = ids[key]
-                # a resize inside the graph can only grow what must be held
-                sizes[sid] = max(sizes[sid], int(value.untyped_storage().nbytes()))
-                if not members[sid] or members[sid][-1] != node.name:
-                    members[sid].append(node.name)
+                    sizes[sid] = nbytes
+                    members[sid] = [name]
+                else:
+                    # a resize inside the graph can only grow what must be held
+                    sizes[sid] = max(sizes[sid], nbytes)
+                    if members[sid][-1] != name:
+                        members[sid].append(name)
                 infos.append(
                     TensorInfo(
-                        node=node.name,
+                        node=name,
                         index=index,
-                        shape=tuple(int(s) for s in value.shape),
+                        shape=tuple(map(int, value.shape)),
                         dtype=value.dtype,
                         device=value.device,
                         nbytes=int(value.numel() * value.element_size()),
