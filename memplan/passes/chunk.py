@@ -589,6 +589,9 @@ def _external_inputs(nodes: Sequence[torch.fx.Node]) -> list[torch.fx.Node]:
 def _output_spec(node: torch.fx.Node, state: State) -> LoopOutput:
     value = node.meta["val"]
     shape, stride = tuple(int(s) for s in value.shape), tuple(int(s) for s in value.stride())
+    if torch._debug_has_internal_overlap(value) != 0:
+        # a broadcast (``expand``) value: the loop writes its chunks into a dense tensor instead
+        stride = tuple(int(s) for s in torch.empty(shape, device="meta").stride())
     if isinstance(state, Split):
         return LoopOutput("cat", state.dim, state.inner, shape, stride, dtype=value.dtype)
     if isinstance(state, Partial) and state.kind != "inplace":
@@ -822,6 +825,10 @@ def _apply_region(graph: CapturedGraph, region: ChunkRegion, compile: bool) -> _
             gm.graph.erase_node(node)
     stable_toposort(gm.graph, priority)
     refresh_aliases(gm.graph, new_fwd + new_bwd, mode)
+    # Step 6d: a loop output that autograd's layout copy copies into a tensor of its very own layout
+    # needs no copy.
+    for item in new_fwd[1:] + new_bwd[1:]:
+        _drop_layout_copy(gm.graph, item)
     if compile:
         finish_module(gm)
     live = {n.name for n in gm.graph.nodes}
@@ -841,6 +848,41 @@ def _apply_region(graph: CapturedGraph, region: ChunkRegion, compile: bool) -> _
         return cache[size]
 
     return _Applied(new, loops_for, scales)
+
+
+def _drop_layout_copy(graph: torch.fx.Graph, item: torch.fx.Node) -> None:
+    """Remove ``copy_(empty_strided(...), v)`` when ``v`` is a chain of views of the loop output
+    ``item`` that already has the empty tensor's shape, strides and dtype, covers its whole storage,
+    and nothing else reads the chain: ``v`` itself is the copy. (Capture copies a gradient whose
+    strides differ from its leaf's into the leaf's layout; a loop may produce it in that layout.)
+
+    Counterexample it refuses: the gradient ``g.t()`` of a leaf of ``g``'s transposed layout, or a
+    loop output also read by another node (the copy would then alias it)."""
+    node = item
+    while True:
+        users = list(node.users)
+        if len(users) == 1 and packet_name(users[0]) in ALIAS_OPS and users[0].args[0] is node:
+            node = users[0]
+            continue
+        copies = [u for u in users if packet_name(u) == "copy_" and u.args[1] is node]
+        if len(copies) != 1 or len(copies[0].args) > 2 and copies[0].args[2]:
+            return
+        user = copies[0]
+        target = user.args[0]
+        if packet_name(target) not in ("new_empty_strided", "empty_strided") or len(target.users) != 1:
+            return
+        if any(u is not user and u is not target for u in users):
+            return  # (``new_empty_strided`` reads its ``self`` for dtype and device only)
+        src, dst = node.meta.get("val"), target.meta.get("val")
+        if not (isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor)):
+            return
+        same = (src.shape, src.stride(), src.dtype, src.device) == (dst.shape, dst.stride(), dst.dtype, dst.device)
+        whole = src.storage_offset() == 0 and src.untyped_storage().nbytes() == dst.untyped_storage().nbytes()
+        if same and whole:
+            user.replace_all_uses_with(node)
+            graph.erase_node(user)
+            graph.erase_node(target)
+        return
 
 
 def _use_loops(graph: CapturedGraph, swap: Sequence[tuple[torch.fx.Node, ChunkLoop]]) -> None:
@@ -1084,17 +1126,14 @@ def _peak_bound(graph: CapturedGraph, region: ChunkRegion, tensors: Tensors, liv
     return peak
 
 
-_DROPPED_IN_BODIES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)  # see build_body
-
-
 def _overhead_bound(graph: CapturedGraph, region: ChunkRegion, rates: CostRates, chunks: int) -> float:
     """A lower bound, in seconds, on the extra time of ``region`` run in at least ``chunks`` chunks
     (nothing is built), under the cost model.
 
-    Every op of a loop body runs once per chunk, so it pays ``chunks`` dispatches where the untouched
-    graph paid one; the chunks together move at least the op's bytes, possibly from cache (the only
-    saving chunking can bring, counted in full); recomputed forward ops run once more on top, at
-    cache speed; each chunk of each loop costs ``chunk_seconds``. More chunks only add dispatches, so
+    Every op of a loop body that computes runs once per chunk, so it pays ``chunks`` dispatches where
+    the untouched graph paid one; the chunks together move at least the op's bytes, possibly from
+    cache (the only saving chunking can bring, counted in full); views may be folded away; recomputed
+    forward ops run once more on top, at cache speed; each chunk of each loop costs ``chunk_seconds``. More chunks only add dispatches, so
     the bound for the fewest chunks holds for every candidate of the region, nested ones included.
     """
     by_name = {n.name: n for n in graph.gm.graph.nodes}
@@ -1103,19 +1142,16 @@ def _overhead_bound(graph: CapturedGraph, region: ChunkRegion, rates: CostRates,
         work = op_work(by_name[name])
         if work.none:
             continue
-        if by_name[name].target in _DROPPED_IN_BODIES:
-            extra -= rates.view_dispatch
+        if work.view:
+            extra -= rates.view_dispatch  # a body may fold views away (see build_body)
             continue
-        extra += (chunks - 1) * (rates.view_dispatch if work.view else rates.dispatch)
+        extra += (chunks - 1) * rates.dispatch
         traffic = work.fixed_bytes + work.scaled_bytes
-        if not work.view and traffic > rates.cache_bytes:
+        if traffic > rates.cache_bytes:
             extra -= traffic / rates.bandwidth - traffic / rates.cache_bandwidth
     for name in region.recompute:
         work = op_work(by_name[name])
-        if work.none or by_name[name].target in _DROPPED_IN_BODIES:
-            continue
-        if work.view:
-            extra += chunks * rates.view_dispatch
+        if work.none or work.view:
             continue
         traffic = work.fixed_bytes + work.scaled_bytes
         extra += chunks * rates.dispatch + work.flops / rates.flops + traffic / rates.cache_bandwidth

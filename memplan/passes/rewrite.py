@@ -448,10 +448,18 @@ def _gather_grads(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, index: t
     summed = [y for y, (d, _, _) in enumerate(ydims) if d not in (0, 1)]
     kept = [y for y in range(rank) if y not in summed]
     by_product = sorted(kept, key=lambda y: (ydims[y][0], -ydims[y][1]))
-    # grad of a: the selected columns of b, weighted, summed over the column factors
+    # grad of a: the selected columns of b, weighted, summed over the column factors; the weighted sum
+    # is a batched (1 x S) @ (S x k) product, so the gathered rows are the only temporary of their size
     b_rows = b.transpose(1, 2).reshape(batch * cols_n, k)
-    weighted = grad.unsqueeze(-1) * b_rows[flat]
-    grad_a = weighted.sum(summed) if summed else weighted
+    if summed:
+        order = kept + summed
+        n_kept = math.prod(grad.shape[y] for y in kept)
+        n_summed = math.prod(grad.shape[y] for y in summed)
+        gathered = b_rows[flat.expand(grad.shape).permute(order)].reshape(n_kept, n_summed, k)
+        weights = grad.permute(order).reshape(n_kept, 1, n_summed)
+        grad_a = torch.bmm(weights, gathered).view(*[grad.shape[y] for y in kept], k)
+    else:
+        grad_a = grad.unsqueeze(-1) * b_rows[flat]
     grad_a = grad_a.permute(*[kept.index(y) for y in by_product], len(kept)).reshape(batch, rows_n, k)
     # grad of b: rows of a, weighted, added into the selected columns
     a_fac = a.reshape(*[ydims[y][2] for y in by_product], k).permute(*[by_product.index(y) for y in kept], len(kept))

@@ -83,6 +83,24 @@ def _narrow_fake(value: torch.Tensor, state: Split, units: int, mode) -> torch.T
         return value.narrow(state.dim, 0, units * state.inner)
 
 
+# Views whose result depends only on their input's index map (never a copy); a chain of them that ends
+# with its start's shape, strides and offset is the identity.
+_PURE_VIEWS = {"view", "_unsafe_view", "permute", "transpose", "t", "unsqueeze", "squeeze", "expand"}
+# Views that keep the row-major order of elements (a reshape); a chain of them is one ``view``.
+_RESHAPES = {"view", "_unsafe_view", "unsqueeze", "squeeze"}
+
+
+def _same_view(value: Any, origin: Any) -> bool:
+    """``value`` (a view of ``origin``) addresses exactly ``origin``'s elements at the same indices."""
+    if not isinstance(value, torch.Tensor) or not isinstance(origin, torch.Tensor):
+        return False
+    if (value.shape, value.stride(), value.storage_offset()) != (origin.shape, origin.stride(), origin.storage_offset()):
+        return False
+    # distinct strides on every dimension of size > 1 and no overlap: the strides determine the indices
+    strides = [s for s, n in zip(origin.stride(), origin.shape) if n > 1]
+    return all(s != 0 for s in strides) and len(set(strides)) == len(strides) and not _overlaps(origin)
+
+
 def build_body(
     nodes: Sequence[torch.fx.Node],
     inputs: Sequence[tuple[torch.fx.Node, State]],
@@ -110,6 +128,9 @@ def build_body(
         placeholder = graph.placeholder(f"{node.name}_acc")
         placeholder.meta["val"] = node.meta["val"]
         env[node] = placeholder
+    returned = {node for node, _ in outputs}
+    base: dict[torch.fx.Node, torch.fx.Node] = {}  # body node -> the value it is a chain of views of
+    reshaped: dict[torch.fx.Node, torch.fx.Node] = {}  # body node -> the value it is a chain of reshapes of
     for node in nodes:
         if node in env:
             continue
@@ -119,9 +140,33 @@ def build_body(
         args, kwargs = _chunk_args(node, states.get(node, REP), units)
         args = torch.fx.node.map_arg(args, env.__getitem__)
         kwargs = torch.fx.node.map_arg(kwargs, env.__getitem__)
-        new = graph.call_function(node.target, args, kwargs, name=node.name)
-        new.meta["val"] = fake_call(node.target, args, kwargs, mode)
+        target, name = node.target, packet_name(node)
+        if target is torch.ops.aten.permute.default and args[0].target is torch.ops.aten.permute.default:
+            inner, outer = args[0].args[1], args[1]  # permute(permute(x, p), q) is permute(x, p[q])
+            args = (args[0].args[0], [inner[d] for d in outer])
+        if name == "permute" and list(args[1]) == list(range(len(args[1]))) and node not in returned:
+            env[node] = args[0]  # the identity permutation
+            continue
+        value = fake_call(target, args, kwargs, mode)
+        if name in _PURE_VIEWS and node not in returned:
+            origin = base.get(args[0], args[0])
+            if _same_view(value, origin.meta.get("val")):
+                env[node] = origin  # the chain of views maps every index to itself: no op at all
+                continue
+        if name in _RESHAPES and isinstance(value, torch.Tensor):
+            # a chain of row-major reshapes is one reshape of where it started
+            origin = reshaped.get(args[0], args[0])
+            if origin is not args[0]:
+                direct = fake_call(torch.ops.aten.view.default, (origin, list(value.shape)), {}, mode)
+                if (direct.shape, direct.stride(), direct.storage_offset()) == (value.shape, value.stride(), value.storage_offset()):
+                    target, args, kwargs = torch.ops.aten.view.default, (origin, list(value.shape)), {}
+        new = graph.call_function(target, args, kwargs, name=node.name)
+        new.meta["val"] = value
         env[node] = new
+        if name in _PURE_VIEWS:
+            base[new] = base.get(args[0], args[0])
+        if name in _RESHAPES:
+            reshaped[new] = reshaped.get(args[0], args[0])
     results = []
     for node, index in outputs:
         value = env[node]
@@ -131,6 +176,9 @@ def build_body(
             value = item
         results.append(value)
     graph.output(tuple(results))
+    for node in reversed(list(graph.nodes)):  # views that folded into others are no longer read
+        if node.op == "call_function" and not node.users and packet_name(node) in _PURE_VIEWS:
+            graph.erase_node(node)
     graph.set_codegen(_BoxedCodeGen())
     return graph_module(torch.nn.Module(), graph, "ChunkBody", compile)
 
@@ -215,16 +263,26 @@ class ChunkLoop(torch.nn.Module):
         accumulators = [
             torch.zeros(out.acc_shape, dtype=out.dtype, device=device) for out in spec.outputs if out.kind == "inplace"
         ]
+        # Every chunk's slice of every input in one call per input (views, no copies).
+        pieces = [
+            None if s.dim is None else a.split(spec.chunk * s.inner, s.dim) for a, s in zip(args, spec.inputs)
+        ]
+        combined = [(i, out) for i, out in enumerate(spec.outputs) if out.same_as < 0 and out.kind != "inplace"]
+        slots: dict[int, Sequence[torch.Tensor]] = {}  # "cat" outputs: each chunk's slice of the result
         for k in range(spec.chunks):
             start = k * spec.chunk
             length = min(spec.chunk, spec.units - start)
-            chunk_args = [
-                a if s.dim is None else a.narrow(s.dim, start * s.inner, length * s.inner) for a, s in zip(args, spec.inputs)
-            ]
-            outs = self._runner(length)(chunk_args + accumulators)
-            for i, out in enumerate(spec.outputs):
-                if out.same_as < 0 and out.kind != "inplace":
-                    results[i] = self._combine(results[i], outs[i], out, start, length, outs)
+            chunk_args = [a if p is None else p[k] for a, p in zip(args, pieces)]
+            chunk_args.extend(accumulators)
+            outs = self._runner(length)(chunk_args)
+            for i, out in combined:
+                if out.kind == "cat":
+                    if i not in slots:
+                        results[i] = torch.empty_strided(out.shape, out.stride, dtype=outs[i].dtype, device=outs[i].device)
+                        slots[i] = results[i].split(spec.chunk * out.inner, out.dim)
+                    slots[i][k].copy_(outs[i])
+                else:
+                    results[i] = self._combine(results[i], outs[i], out, length, outs)
             outs = chunk_args = None  # drop this chunk's values before the next chunk runs
         for i, out in enumerate(spec.outputs):
             if out.kind == "nll_mean":
@@ -243,13 +301,10 @@ class ChunkLoop(torch.nn.Module):
         public = [r for r, out in zip(results, spec.outputs) if out.public]
         return (*public, torch.empty(0, dtype=torch.uint8, device=device))
 
-    def _combine(self, acc: Any, value: torch.Tensor, out: LoopOutput, start: int, length: int, outs) -> Any:
+    def _combine(self, acc: Any, value: torch.Tensor, out: LoopOutput, length: int, outs) -> Any:
+        """Fold one chunk's ``value`` into ``acc`` (None before the first chunk); ``"cat"`` is done
+        by :meth:`forward`, which writes each chunk into its slice of the result."""
         kind = out.kind
-        if kind == "cat":
-            if acc is None:
-                acc = torch.empty_strided(out.shape, out.stride, dtype=value.dtype, device=value.device)
-            acc.narrow(out.dim, start * out.inner, length * out.inner).copy_(value)
-            return acc
         if kind == "first":
             return value if acc is None else acc
         if kind == "nll_mean":
