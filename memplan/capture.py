@@ -15,7 +15,9 @@ Stages
 (3) In training mode, run backward inside the traced function: ``loss = sum(out.sum())`` (the
     ``"sum"`` seed, what ``model(x).sum().backward()`` does) or ``autograd.backward(outs, tangents)``
     (the ``"tangents"`` seed, used when memplan emits its own backward). The last node traced before
-    backward starts marks the forward/backward boundary.
+    backward starts marks the forward/backward boundary. Gradients are returned in their leaves'
+    layouts: where autograd would copy one (AccumulateGrad's layout contract), in the trace or in a
+    run whose tangent is a broadcast scalar, the graph makes the copy, so the plan accounts for it.
 (4) Trace with ``make_fx(tracing_mode="fake")`` under a dispatch mode that records each forward op's
     user line and when Python releases each storage; turn data-dependent
     control flow into :class:`~memplan.errors.CaptureError` naming the user's line.
@@ -48,7 +50,13 @@ import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
-from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, make_fx, track_tensor_tree
+from torch.fx.experimental.proxy_tensor import (
+    disable_proxy_modes_tracing,
+    get_proxy_mode,
+    get_proxy_slot,
+    make_fx,
+    track_tensor_tree,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.errors import CaptureError, UnsupportedInputError
@@ -366,6 +374,7 @@ def capture(
         # Step 3: run backward inside the trace.
         grad_inputs = [t for t in flat[: n_params] if t.requires_grad]
         grad_inputs += [t for t in flat[n_params + n_buffers : n_params + n_buffers + n_user] if t.requires_grad]
+        relaid: set[int] = set()
         if seed == "sum":
             sum_backward(flat_out, before_backward=tag_backward)
         else:
@@ -374,9 +383,12 @@ def capture(
                 tangents = _tangent_placeholders(diff)
             tag_backward(diff)
             torch.autograd.backward(diff, tangents)
-        # AccumulateGrad copies a gradient whose strides differ from its leaf's (the layout contract);
-        # make that copy inside the graph, where the plan sees it, so autograd takes ours as it is.
-        return list(flat_out) + [_in_layout_of(t.grad, t) for t in grad_inputs]
+            with recorders[0].unwatched():
+                relaid = _relaid_by_broadcast_tangents(tangents, grad_inputs)
+        # AccumulateGrad copies a gradient that breaks its leaf's layout contract. Make that copy inside
+        # the graph, where the plan sees it, so autograd takes ours as it is: where the trace breaks the
+        # contract, and where a run breaks it when a tangent arrives as a broadcast scalar.
+        return list(flat_out) + [_in_layout_of(t.grad, t, always=i in relaid) for i, t in enumerate(grad_inputs)]
 
     real_flat: list[torch.Tensor] = []
     for name in param_names:
@@ -546,10 +558,116 @@ def _tag_backward_with_seq_nr(roots: list[Any]) -> None:
         stack.extend(fn for fn, _ in grad_fn.next_functions if fn is not None)
 
 
-def _in_layout_of(grad: torch.Tensor | None, leaf: torch.Tensor) -> torch.Tensor | None:
-    if grad is None or grad.stride() == leaf.stride():
+def _in_layout_of(grad: torch.Tensor | None, leaf: torch.Tensor, *, always: bool = False) -> torch.Tensor | None:
+    """``grad`` as autograd stores it for ``leaf``: itself when it keeps the leaf's layout contract, else a copy
+    in the leaf's strides (contiguous for a leaf that is not dense), as AccumulateGrad would make.
+
+    ``always`` copies even a gradient that keeps the contract in the trace (it may break it in a run).
+    """
+    if grad is None or (not always and _keeps_layout_contract(grad, leaf)):
         return grad
+    if not _is_dense(leaf):
+        return grad.clone(memory_format=torch.contiguous_format)
     return torch.empty_strided(leaf.shape, leaf.stride(), dtype=grad.dtype, device=grad.device).copy_(grad)
+
+
+def _keeps_layout_contract(grad: torch.Tensor, leaf: torch.Tensor) -> bool:
+    """Whether AccumulateGrad keeps ``grad`` as ``leaf``'s gradient as it is, instead of copying it.
+
+    A dense leaf's gradient must have its strides, except in dimensions of size one (where a stride of
+    zero still makes it a view); any other leaf's gradient must be contiguous.
+    """
+    if not _is_dense(leaf):
+        return grad.is_contiguous()
+    for size, stride, leaf_stride in zip(grad.shape, grad.stride(), leaf.stride()):
+        if (size != 1 and stride != leaf_stride) or (size == 1 and stride == 0):
+            return False
+    return True
+
+
+def _is_dense(tensor: torch.Tensor) -> bool:
+    """Non-overlapping and dense: the elements fill a contiguous span, in some order of the dimensions."""
+    expected = 1
+    for stride, size in sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride()) if size != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _relaid_by_broadcast_tangents(tangents: list[torch.Tensor], leaves: list[torch.Tensor]) -> set[int]:
+    """Positions of the ``leaves`` whose gradient breaks the leaf's layout contract when tangents arrive as
+    broadcast scalars, though it keeps it in the trace.
+
+    A run's tangent is dense, as traced, or a broadcast scalar (all strides zero: what ``out.sum()``
+    sends, and :func:`memplan.emit.PlanFunction` passes it on as it is, since it costs nothing). Kernels
+    lay out their outputs after their inputs' strides, so the gradients computed from a broadcast
+    tangent may come out in other strides. They are found by re-running over fake values the backward
+    ops whose inputs change strides, with each tangent broadcast alone and with all of them broadcast
+    (with three or more tangents, broadcasting some but not all is not examined).
+    """
+    tracer = get_proxy_mode().tracer
+    tangent_nodes = [get_proxy_slot(t, tracer).proxy.node for t in tangents]
+    grad_nodes = {
+        i: get_proxy_slot(leaf.grad, tracer).proxy.node for i, leaf in enumerate(leaves) if leaf.grad is not None
+    }
+    scenarios = [[node] for node in tangent_nodes]
+    if len(tangent_nodes) > 1:
+        scenarios.append(tangent_nodes)
+    relaid: set[int] = set()
+    with disable_proxy_modes_tracing():
+        for broadcast in scenarios:
+            values = _restrided_values(tracer.graph, broadcast)
+            for i, node in grad_nodes.items():
+                if node in values and not _keeps_layout_contract(values[node], leaves[i]):
+                    relaid.add(i)
+    return relaid
+
+
+def _restrided_values(graph: torch.fx.Graph, broadcast: list[torch.fx.Node]) -> dict[torch.fx.Node, Any]:
+    """Fake values of the nodes whose strides change when the ``broadcast`` placeholders are broadcast scalars.
+
+    Each op reading a changed value runs again on fake values; its result is kept only if its strides
+    differ from the trace's. An op that writes into an unchanged input is not run again: it would write
+    into the trace's own value, and its result (that input) keeps its strides.
+    """
+    changed: dict[torch.fx.Node, Any] = {}
+    for node in broadcast:
+        value = node.meta["val"]
+        changed[node] = torch.zeros((), dtype=value.dtype, device=value.device).expand(value.shape)
+    for node in graph.nodes:
+        if node.op != "call_function" or not any(arg in changed for arg in node.all_input_nodes):
+            continue
+        if any(arg not in changed for arg in _written_arguments(node)):
+            continue
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda arg: changed.get(arg, arg.meta.get("val")))
+        value = node.target(*args, **kwargs)
+        if _layout(value) != _layout(node.meta.get("val")):
+            changed[node] = value
+    return changed
+
+
+def _written_arguments(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The input nodes an op writes into (in-place and ``out=`` arguments)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return []
+    written = []
+    for i, argument in enumerate(schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+            if isinstance(value, torch.fx.Node):
+                written.append(value)
+    return written
+
+
+def _layout(value: Any) -> Any:
+    """Strides and offsets of the tensors in a node's value (nested like the value)."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.stride()), value.storage_offset()
+    if isinstance(value, (tuple, list)):
+        return tuple(_layout(item) for item in value)
+    return None
 
 
 def _check_constants(model: Any, tracer: Any) -> None:

@@ -146,3 +146,26 @@ def test_capture_allocates_nothing_big():
     m = measure(capture, big, x)
     # a real forward+backward would allocate >= 3 * 64 MiB; fake tracing allocates only tiny tensors
     assert m.peak < 8 * 2**20
+
+
+def _returned_gradient(cg):
+    return cg.node(next(o.node for o in cg.outputs if o.kind == "grad"))
+
+
+def test_gradient_a_broadcast_tangent_would_relay_is_copied_into_the_leafs_layout():
+    def column_major_sigmoid(x):
+        return torch.sigmoid(x.t().contiguous().t())
+
+    x = torch.randn(4, 3, requires_grad=True)
+    cg = capture(column_major_sigmoid, x, seed="tangents")
+    # the trace's dense tangent gives x's gradient x's strides; out.sum()'s broadcast tangent would make
+    # sigmoid_backward follow the column-major output, and autograd would copy outside the plan
+    grad = _returned_gradient(cg)
+    assert grad.target is torch.ops.aten.copy_.default
+    assert grad.meta["val"].stride() == x.stride()
+    assert cg.phases[grad.name] is Phase.BACKWARD
+
+
+def test_gradient_whose_layout_no_tangent_changes_is_returned_as_is():
+    cg = capture(torch.sigmoid, torch.randn(4, 3, requires_grad=True), seed="tangents")
+    assert _returned_gradient(cg).target is not torch.ops.aten.copy_.default
