@@ -20,14 +20,14 @@ import math
 import torch
 from torch import nn
 
-from memplan.examples._workload import Workload, check_size, finish, place, seeded_build
+from memplan.examples._workload import Built, workload_maker
 
 __all__ = ["HeadMatmul", "make"]
 
-# (batch, heads, dim) per size.
-_SHAPES: dict[str, tuple[int, int, int]] = {
-    "small": (256, 8, 64),
-    "full": (8192, 8, 64),
+# Keyword arguments of _build per size; "full" is the report's.
+_SHAPES: dict[str, dict[str, int]] = {
+    "small": {"batch": 256, "heads": 8, "dim": 64},
+    "full": {"batch": 8192, "heads": 8, "dim": 64},
 }
 
 
@@ -61,38 +61,14 @@ class HeadMatmul(nn.Module):
         return out.reshape(batch, self.heads * self.dim)
 
 
-def make(
-    size: str = "small",
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-) -> Workload:
-    """Build the broadcasting-matmul workload.
-
-    Parameters
-    ----------
-    size : {"small", "full"}
-        ``"small"``: batch 256, 8 heads of 64; ``"full"``: the report's batch 8192, 8 heads of 64.
-    device, dtype, seed
-        Target device and floating dtype; seed of torch's RNG.
-
-    Returns
-    -------
-    Workload
-        ``inputs == (x,)`` with ``x`` of shape ``(batch, heads * dim)`` requiring grad, as in the report.
-    """
-    check_size(size)
-    batch, heads, dim = _SHAPES[size]
-    with seeded_build(device, seed):
-        model = HeadMatmul(heads, dim)
-        x = torch.randn(batch, heads * dim)
-    return Workload(
-        name="broadcast_matmul",
-        model=finish(model, device, dtype),
-        inputs=(place(x, device, dtype, requires_grad=True),),
-        description=(
-            f"x.view({batch}, {heads}, 1, {dim}) @ W[{heads}, {dim}, {dim}]: per-head weights broadcast over the batch"
-        ),
-        size=size,
-        seed_report="001",
+def _build(batch: int, heads: int, dim: int) -> Built:
+    """``inputs == (x,)`` with ``x`` of shape ``(batch, heads * dim)`` requiring grad, as in the report."""
+    model = HeadMatmul(heads, dim)
+    x = torch.randn(batch, heads * dim, requires_grad=True)
+    description = (
+        f"x.view({batch}, {heads}, 1, {dim}) @ W[{heads}, {dim}, {dim}]: per-head weights broadcast over the batch"
     )
+    return Built(model, (x,), description)
+
+
+make = workload_maker("broadcast_matmul", seed_report="001", shapes=_SHAPES, build=_build)

@@ -21,14 +21,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from memplan.examples._workload import Workload, check_size, finish, place, seeded_build
+from memplan.examples._workload import Built, workload_maker
 
 __all__ = ["ChainProduct", "make"]
 
-# (batch n, steps t, variables v, states c) per size.
-_SHAPES: dict[str, tuple[int, int, int, int]] = {
-    "small": (64, 1, 16, 48),
-    "full": (500, 1, 40, 200),
+# Keyword arguments of _build per size: the batch n, chains t, variables v and states c of the report, whose own
+# sizes are "full".
+_SHAPES: dict[str, dict[str, int]] = {
+    "small": {"n": 64, "t": 1, "v": 16, "c": 48},
+    "full": {"n": 500, "t": 1, "v": 40, "c": 200},
 }
 
 
@@ -94,36 +95,12 @@ class ChainProduct(nn.Module):
         return left_max + right_max + product
 
 
-def make(
-    size: str = "small",
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-) -> Workload:
-    """Build the chain-product workload.
+def _build(n: int, t: int, v: int, c: int) -> Built:
+    """``inputs == (x,)`` with ``x`` of shape ``(n, t, v, c)``, the log-values of the diagonals (data, no grad)."""
+    model = ChainProduct(t, v, c)
+    x = torch.randn(n, t, v, c) - 2.0
+    description = f"log-space pairwise tree product of {v - 1} ({c}x{c}) matrices for a batch of {n}"
+    return Built(model, (x,), description)
 
-    Parameters
-    ----------
-    size : {"small", "full"}
-        ``"small"``: ``n, t, v, c = 64, 1, 16, 48``; ``"full"``: the report's ``500, 1, 40, 200``.
-    device, dtype, seed
-        Target device and floating dtype; seed of torch's RNG.
 
-    Returns
-    -------
-    Workload
-        ``inputs == (x,)`` with ``x`` of shape ``(n, t, v, c)``, the log-values of the diagonals (data, no grad).
-    """
-    check_size(size)
-    n, t, v, c = _SHAPES[size]
-    with seeded_build(device, seed):
-        model = ChainProduct(t, v, c)
-        x = torch.randn(n, t, v, c) - 2.0
-    return Workload(
-        name="chain_product",
-        model=finish(model, device, dtype),
-        inputs=(place(x, device, dtype),),
-        description=f"log-space pairwise tree product of {v - 1} ({c}x{c}) matrices for a batch of {n}",
-        size=size,
-        seed_report="000",
-    )
+make = workload_maker("chain_product", seed_report="000", shapes=_SHAPES, build=_build)

@@ -18,14 +18,14 @@ import math
 import torch
 from torch import nn
 
-from memplan.examples._workload import Workload, check_size, finish, place, seeded_build
+from memplan.examples._workload import Built, workload_maker
 
 __all__ = ["LatentGRU", "make"]
 
-# (seq_len T, batch B, input_size nx, hidden_size H) per size.
-_SHAPES: dict[str, tuple[int, int, int, int]] = {
-    "small": (64, 16, 32, 64),
-    "full": (1000, 64, 128, 256),
+# Keyword arguments of _build per size: T steps, a batch of B, nx input features and H hidden units.
+_SHAPES: dict[str, dict[str, int]] = {
+    "small": {"seq_len": 64, "batch": 16, "input_size": 32, "hidden_size": 64},
+    "full": {"seq_len": 1000, "batch": 64, "input_size": 128, "hidden_size": 256},
 }
 
 
@@ -91,42 +91,19 @@ class LatentGRU(nn.Module):
         return torch.stack(outputs), hidden
 
 
-def make(
-    size: str = "small",
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-) -> Workload:
-    """Build the latent-GRU workload.
-
-    Parameters
-    ----------
-    size : {"small", "full"}
-        ``"small"``: ``T, B, nx, H = 64, 16, 32, 64``; ``"full"``: ``1000, 64, 128, 256``.
-    device, dtype, seed
-        Target device and floating dtype; seed of torch's RNG.
-
-    Returns
-    -------
-    Workload
-        ``inputs == (input_seq, hidden)``: ``input_seq`` ``(T, B, nx)`` requires grad, the initial ``hidden``
-        ``(B, H)`` is zeros without grad. The forward draws random numbers, so seed torch's RNG before each call
-        to compare runs.
+def _build(seq_len: int, batch: int, input_size: int, hidden_size: int) -> Built:
+    """``inputs == (input_seq, hidden)``: ``input_seq`` of shape ``(seq_len, batch, input_size)`` requires grad,
+    the initial ``hidden`` of shape ``(batch, hidden_size)`` is zeros without grad. The forward draws random numbers,
+    so seed torch's RNG before each call to compare runs.
     """
-    check_size(size)
-    seq_len, batch, input_size, hidden_size = _SHAPES[size]
-    with seeded_build(device, seed):
-        model = LatentGRU(input_size, hidden_size)
-        input_seq = torch.randn(seq_len, batch, input_size)
-        hidden = torch.zeros(batch, hidden_size)
-    return Workload(
-        name="latent_gru",
-        model=finish(model, device, dtype),
-        inputs=(place(input_seq, device, dtype, requires_grad=True), place(hidden, device, dtype)),
-        description=(
-            f"GRU-like cell with a sampled latent, unrolled in Python over {seq_len} steps "
-            f"(B={batch}, H={hidden_size})"
-        ),
-        size=size,
-        seed_report="003",
+    model = LatentGRU(input_size, hidden_size)
+    input_seq = torch.randn(seq_len, batch, input_size, requires_grad=True)
+    hidden = torch.zeros(batch, hidden_size)
+    description = (
+        f"GRU-like cell with a sampled latent, unrolled in Python over {seq_len} steps "
+        f"(B={batch}, H={hidden_size})"
     )
+    return Built(model, (input_seq, hidden), description)
+
+
+make = workload_maker("latent_gru", seed_report="003", shapes=_SHAPES, build=_build)

@@ -17,14 +17,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from memplan.examples._workload import Workload, check_size, finish, place, seeded_build
+from memplan.examples._workload import Built, workload_maker
 
 __all__ = ["MaxSim", "make"]
 
-# ((i, j, k), (m, n, k)) per size.
-_SHAPES: dict[str, tuple[tuple[int, int, int], tuple[int, int, int]]] = {
-    "small": ((16, 64, 32), (20, 60, 32)),
-    "full": ((8, 2000, 256), (8, 1990, 256)),
+# Keyword arguments of _build per size: the shapes (i, j, k) of a and (m, n, k) of b. "full" has the report's
+# sequence lengths and width, with 8 sequences a side.
+_SHAPES: dict[str, dict[str, tuple[int, int, int]]] = {
+    "small": {"a_shape": (16, 64, 32), "b_shape": (20, 60, 32)},
+    "full": {"a_shape": (8, 2000, 256), "b_shape": (8, 1990, 256)},
 }
 
 
@@ -48,38 +49,13 @@ class MaxSim(nn.Module):
         return self.scale * best.sum(dim=1)
 
 
-def make(
-    size: str = "small",
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-) -> Workload:
-    """Build the MaxSim workload.
+def _build(a_shape: tuple[int, int, int], b_shape: tuple[int, int, int]) -> Built:
+    """``inputs == (a, b)``, both requiring grad."""
+    model = MaxSim()
+    a = torch.randn(a_shape, requires_grad=True)
+    b = torch.randn(b_shape, requires_grad=True)
+    description = f"einsum('ijk,mnk->ijmn').max(-1).sum(1) on a{tuple(a_shape)} and b{tuple(b_shape)}"
+    return Built(model, (a, b), description)
 
-    Parameters
-    ----------
-    size : {"small", "full"}
-        ``"small"``: ``a (16, 64, 32)``, ``b (20, 60, 32)``; ``"full"``: ``a (8, 2000, 256)``,
-        ``b (8, 1990, 256)`` (the report's sequence lengths and width with 8 sequences a side).
-    device, dtype, seed
-        Target device and floating dtype; seed of torch's RNG.
 
-    Returns
-    -------
-    Workload
-        ``inputs == (a, b)``, both requiring grad.
-    """
-    check_size(size)
-    a_shape, b_shape = _SHAPES[size]
-    with seeded_build(device, seed):
-        model = MaxSim()
-        a = torch.randn(a_shape)
-        b = torch.randn(b_shape)
-    return Workload(
-        name="maxsim",
-        model=finish(model, device, dtype),
-        inputs=(place(a, device, dtype, requires_grad=True), place(b, device, dtype, requires_grad=True)),
-        description=f"einsum('ijk,mnk->ijmn').max(-1).sum(1) on a{tuple(a_shape)} and b{tuple(b_shape)}",
-        size=size,
-        seed_report="002",
-    )
+make = workload_maker("maxsim", seed_report="002", shapes=_SHAPES, build=_build)

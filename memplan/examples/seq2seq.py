@@ -20,14 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memplan.examples._workload import Workload, check_size, finish, place, seeded_build
+from memplan.examples._workload import Built, workload_maker
 
 __all__ = ["Seq2Seq", "make"]
 
-# (batch, src_len, tgt_len, vocab, emb, hidden, layers) per size.
-_SHAPES: dict[str, tuple[int, int, int, int, int, int, int]] = {
-    "small": (16, 20, 20, 2000, 64, 128, 1),
-    "full": (64, 50, 50, 50000, 500, 500, 2),
+# Keyword arguments of _build per size; "full" is OpenNMT's defaults: batch 64, vocabulary 50000, embeddings 500
+# and 2 layers of 500, with sentences of 50 tokens.
+_SHAPES: dict[str, dict[str, int]] = {
+    "small": {"batch": 16, "src_len": 20, "tgt_len": 20, "vocab": 2000, "emb": 64, "hidden": 128, "layers": 1},
+    "full": {"batch": 64, "src_len": 50, "tgt_len": 50, "vocab": 50000, "emb": 500, "hidden": 500, "layers": 2},
 }
 
 
@@ -133,42 +134,18 @@ class Seq2Seq(nn.Module):
         return torch.stack(outputs)
 
 
-def make(
-    size: str = "small",
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-) -> Workload:
-    """Build the seq2seq workload.
-
-    Parameters
-    ----------
-    size : {"small", "full"}
-        ``"small"``: batch 16, lengths 20, vocabulary 2000, embeddings 64, 1 layer of 128;
-        ``"full"``: OpenNMT's defaults, batch 64, lengths 50, vocabulary 50000, embeddings 500, 2 layers of 500.
-    device, dtype, seed
-        Target device and floating dtype (the tokens stay int64); seed of torch's RNG.
-
-    Returns
-    -------
-    Workload
-        ``inputs == (src, tgt)``, int64 token ids of shapes ``(src_len, batch)`` and ``(tgt_len, batch)``.
-        The model returns the scalar loss.
+def _build(batch: int, src_len: int, tgt_len: int, vocab: int, emb: int, hidden: int, layers: int) -> Built:
+    """``inputs == (src, tgt)``, int64 token ids of shapes ``(src_len, batch)`` and ``(tgt_len, batch)``.
+    The model returns the scalar loss.
     """
-    check_size(size)
-    batch, src_len, tgt_len, vocab, emb, hidden, layers = _SHAPES[size]
-    with seeded_build(device, seed):
-        model = Seq2Seq(vocab, vocab, emb, hidden, layers)
-        src = torch.randint(0, vocab, (src_len, batch))
-        tgt = torch.randint(0, vocab, (tgt_len, batch))
-    return Workload(
-        name="seq2seq",
-        model=finish(model, device, dtype),
-        inputs=(place(src, device, dtype), place(tgt, device, dtype)),
-        description=(
-            f"OpenNMT-style LSTM seq2seq with attention, {layers}x{hidden}, vocabulary {vocab}, "
-            f"batch {batch}, lengths {src_len}/{tgt_len}, loss inside forward"
-        ),
-        size=size,
-        seed_report="004",
+    model = Seq2Seq(vocab, vocab, emb, hidden, layers)
+    src = torch.randint(0, vocab, (src_len, batch))
+    tgt = torch.randint(0, vocab, (tgt_len, batch))
+    description = (
+        f"OpenNMT-style LSTM seq2seq with attention, {layers}x{hidden}, vocabulary {vocab}, "
+        f"batch {batch}, lengths {src_len}/{tgt_len}, loss inside forward"
     )
+    return Built(model, (src, tgt), description)
+
+
+make = workload_maker("seq2seq", seed_report="004", shapes=_SHAPES, build=_build)
