@@ -118,6 +118,7 @@ from memplan.passes._chunk.graphs import (
     stable_toposort,
 )
 from memplan.passes._chunk.loops import (
+    AGAIN,
     BodyModel,
     ChunkLoop,
     LoopInput,
@@ -548,8 +549,17 @@ def _recompute_closure(region, region_set, materialised, body) -> list[torch.fx.
     return [n for n in region if n in needed]
 
 
+_REDUCTION_RATIO = 8  # see _with_saved: a saved value's op reads at least this many times what it returns
+
+
 def _with_saved(graph: CapturedGraph, region: ChunkRegion, fraction: float) -> ChunkRegion | None:
-    """A variant that saves the small values the backward body reads when that removes recomputation."""
+    """A variant that saves small forward values (at most ``fraction`` of the region's largest) made
+    by reductions (the op reads at least ``_REDUCTION_RATIO`` times the bytes it returns: a max and its
+    indices, a log-sum-exp) when that removes recomputation.
+
+    Every small value the recomputation reads is a candidate; saving them shrinks the recomputed set,
+    and the candidates nothing recomputed still reads are dropped again, until nothing changes. A max
+    that returns values and indices is recomputed only if one of the two is not saved."""
     by_name = {n.name: n for n in graph.gm.graph.nodes}
     forward = [by_name[name] for name, _ in region.forward]
     states = dict(region.forward)
@@ -557,23 +567,35 @@ def _with_saved(graph: CapturedGraph, region: ChunkRegion, fraction: float) -> C
     body = [by_name[name] for name, _ in region.backward]
     largest = max((nbytes(n) for n in forward), default=0)
     outputs = {by_name[o] for o in region.outputs}
-    direct = {a for n in body for a in n.all_input_nodes if a in region_set and a not in outputs}
-    small = {
-        a for a in direct
-        if isinstance(states[a.name], Split) and nbytes(a) <= fraction * largest and packet_name(a) not in ALIAS_OPS
-    }  # views cost nothing to recompute, and saving one would copy it
-    if not small:
+
+    def small(a: torch.fx.Node) -> bool:
+        # the result of a reduction: its op reads many times the bytes it returns, so keeping the
+        # result saves much more recomputation than it costs memory
+        op = a.args[0] if a.target is operator.getitem else a
+        reads = sum(nbytes(x) for x in op.all_input_nodes)
+        return (
+            isinstance(states[a.name], Split)
+            and isinstance(a.meta.get("val"), torch.Tensor)
+            and nbytes(a) <= fraction * largest
+            and packet_name(a) not in ALIAS_OPS  # views cost nothing to recompute, and saving one would copy it
+            and reads >= _REDUCTION_RATIO * nbytes(op)
+        )
+
+    recompute = [by_name[n] for n in region.recompute]
+    readers = set(recompute) | set(body)
+    saved = {a for n in readers for a in n.all_input_nodes if a in region_set and a not in outputs and small(a)}
+    while saved:
+        recompute = _recompute_closure(forward, region_set, outputs | saved, body)
+        readers = set(recompute) | set(body)
+        still = {a for n in readers for a in n.all_input_nodes if a in saved}
+        if still == saved:
+            break
+        saved = still
+    if not saved or len(recompute) >= len(region.recompute):
         return None
-    recompute = set(_recompute_closure(forward, region_set, outputs | small, body))
-    # a small value whose producer is recomputed anyway costs nothing to recompute
-    small = {s for s in small if not all(a in recompute or a not in region_set for a in s.all_input_nodes)}
-    if not small:
-        return None
-    recompute_list = _recompute_closure(forward, region_set, outputs | small, body)
-    if len(recompute_list) >= len(region.recompute):
-        return None
-    saved = tuple(n.name for n in forward if n in small)
-    return dataclasses.replace(region, saved=saved, recompute=tuple(n.name for n in recompute_list))
+    return dataclasses.replace(
+        region, saved=tuple(n.name for n in forward if n in saved), recompute=tuple(n.name for n in recompute)
+    )
 
 
 def _external_inputs(nodes: Sequence[torch.fx.Node]) -> list[torch.fx.Node]:
@@ -621,7 +643,7 @@ def _accumulation(output: torch.fx.Node, nodes: Sequence[torch.fx.Node], outputs
     if any(n in outputs and n is not output for n in [node, *chain]):
         return None
     steps = tuple((n.target, tuple(n.args[1:]), dict(n.kwargs)) for n in reversed(chain))
-    return zero, steps
+    return zero, steps, node
 
 
 def _strip_aliases(node: torch.fx.Node) -> torch.fx.Node:
@@ -672,10 +694,11 @@ def _make_loops(
         if index is None and specs[i].same_as < 0 and states.get(node) == Partial("sum"):
             found = _accumulation(node, nodes, [o for o, _ in body_outputs])
             if found is not None:
-                zero, steps = found
+                zero, steps, scatter = found
                 value = zero.meta["val"]
                 specs[i] = dataclasses.replace(specs[i], kind="inplace", steps=steps, acc_shape=tuple(value.shape), dtype=value.dtype)
                 accumulators.append(zero)
+                body_outputs[i] = (scatter, None)  # the loop views the accumulator itself, once, at the end
     loop_inputs = tuple(LoopInput(s.dim, s.inner) if isinstance(s, Split) else LoopInput() for _, s in inputs)
     built: dict[int, torch.fx.GraphModule] = {}
     loops = {}
@@ -695,7 +718,7 @@ def _make_loops(
     body_states.update({f"{node.name}_in": state for node, state in inputs})
 
     def scales(name: str, index: int | None) -> bool:
-        state = body_states.get(name, REP)
+        state = body_states.get(name.removesuffix(AGAIN), REP)
         if isinstance(state, tuple):
             state = state[index] if index is not None and index < len(state) else REP
         return isinstance(state, Split)
@@ -883,17 +906,6 @@ def _drop_layout_copy(graph: torch.fx.Graph, item: torch.fx.Node) -> None:
             graph.erase_node(user)
             graph.erase_node(target)
         return
-
-
-def _use_loops(graph: CapturedGraph, swap: Sequence[tuple[torch.fx.Node, ChunkLoop]]) -> None:
-    """Put other loop modules (another chunk size) behind the loop nodes of ``graph``."""
-    for node, loop in swap:
-        setattr(graph.gm, node.target, loop)
-        value = node.meta["val"]
-        scratch = value[-1]
-        with scratch.fake_mode:
-            node.meta["val"] = (*value[:-1], torch.empty(loop.spec.scratch, dtype=torch.uint8, device=scratch.device))
-
 
 
 def apply_chunk(graph: CapturedGraph, plan: ChunkPlan, compile: bool = True) -> CapturedGraph:

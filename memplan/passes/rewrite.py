@@ -435,16 +435,23 @@ def _gather_grads(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, index: t
     ydims = pattern.ydims
     rank = grad.dim()
 
-    def coordinate(e: int) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.long, device=grad.device)
+    def coordinate(e: int, scale: int) -> torch.Tensor | None:
+        """``scale`` times the index along canonical product dimension ``e`` (None: always zero)."""
+        total = None
         for y, (d, inner, n) in enumerate(ydims):
             if d == e:
                 shape = [1] * rank
                 shape[y] = n
-                total = total + torch.arange(n, device=grad.device).view(shape) * inner
+                term = torch.arange(0, n * inner * scale, inner * scale, device=grad.device).view(shape)
+                total = term if total is None else total + term
         return total
 
-    flat = coordinate(0) * cols_n + coordinate(2) + index * pattern.step  # column of b, flattened over batch
+    # the column of b each kept index selects, flattened over the batch (terms that are zero or one are
+    # left out: each is one op less in every chunk of a loop that runs this backward)
+    flat = index if pattern.step == 1 else index * pattern.step
+    for offset in (coordinate(0, cols_n), coordinate(2, 1)):
+        if offset is not None:
+            flat = offset + flat
     summed = [y for y, (d, _, _) in enumerate(ydims) if d not in (0, 1)]
     kept = [y for y in range(rank) if y not in summed]
     by_product = sorted(kept, key=lambda y: (ydims[y][0], -ydims[y][1]))

@@ -24,12 +24,12 @@ from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation
 from memplan.analysis.tensors import Tensors, tensor_values
 from memplan.capture import CapturedGraph, InputSpec, OutputSpec, Phase
-from memplan.graphutil import packet_name
+from memplan.graphutil import is_random, mutated_args, packet_name
 from memplan.passes._chunk.cost import CostRates, OpWork, module_cost, op_work
-from memplan.passes._chunk.graphs import fake_call, graph_module
+from memplan.passes._chunk.graphs import ALIAS_OPS, fake_call, graph_module
 from memplan.passes._chunk.rules import REP, Split, State, arg_of, norm_dim, shape_of
 
-__all__ = ["LoopInput", "LoopOutput", "LoopSpec", "ChunkLoop", "BodyModel", "build_body", "body_graph", "body_peak"]
+__all__ = ["AGAIN", "rematerialise_cheap", "LoopInput", "LoopOutput", "LoopSpec", "ChunkLoop", "BodyModel", "build_body", "body_graph", "body_peak"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -99,6 +99,88 @@ def _same_view(value: Any, origin: Any) -> bool:
     # distinct strides on every dimension of size > 1 and no overlap: the strides determine the indices
     strides = [s for s, n in zip(origin.stride(), origin.shape) if n > 1]
     return all(s != 0 for s in strides) and len(set(strides)) == len(strides) and not _overlaps(origin)
+
+
+AGAIN = "_again"  # name suffix of a value a body computes again (same state as the original)
+
+
+def _cheap_unary(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The one tensor input of a pointwise op that reads nothing else and keeps its input's shape
+    (``clamp(x, min=eps)``, ``exp(x)``, ``relu(x)``), else None."""
+    if node.op != "call_function" or torch.Tag.pointwise not in getattr(node.target, "tags", ()):
+        return None
+    if is_random(node) or mutated_args(node):
+        return None
+    tensors = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+    if len(tensors) != 1 or len(node.all_input_nodes) != 1:
+        return None
+    source, value = tensors[0], node.meta.get("val")
+    if not isinstance(value, torch.Tensor) or value.shape != source.meta["val"].shape:
+        return None
+    return source
+
+
+def rematerialise_cheap(graph: torch.fx.Graph, mode) -> int:
+    """Recompute cheap pointwise values where they are read late, instead of keeping them alive.
+
+    A body recomputing a forward and running its backward keeps ``v = f(u)`` (a pointwise op of one
+    input, e.g. ``clamp(exp(x), min=eps)``) from the forward until the backward reads it. When ``u``
+    is alive at that late read anyway, ``f(u)`` is computed again right before it (with the views of
+    ``v`` the read goes through), so ``v`` dies after its early reads: the live set never grows and
+    shrinks by ``v`` in between, for one op more per chunk. Refused when something writes ``u``,
+    ``v`` or a view of them in between (the value would differ). Returns how many were recomputed.
+    """
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    last_read: dict[torch.fx.Node, int] = {}
+    for node in graph.nodes:
+        for arg in node.all_input_nodes:
+            last_read[arg] = order[node]
+    writes = [(order[n], m) for n in graph.nodes for m in mutated_args(n)]
+    done = 0
+    for value in list(graph.nodes):
+        source = _cheap_unary(value)
+        if source is None:
+            continue
+        # the views of v, each with the chain of view nodes from v
+        chains: dict[torch.fx.Node, list[torch.fx.Node]] = {value: []}
+        stack = [value]
+        while stack:
+            node = stack.pop()
+            for user in node.users:
+                if user.op == "call_function" and packet_name(user) in ALIAS_OPS and user.args[0] is node and user not in chains:
+                    chains[user] = chains[node] + [user]
+                    stack.append(user)
+        reads = sorted(
+            (order[user], user, alias)
+            for alias in chains
+            for user in alias.users
+            if user not in chains and user.op != "output"
+        )
+        if len(reads) < 2 or any(user.op == "output" for alias in chains for user in alias.users):
+            continue
+        first = reads[0][0]
+        late = [(at, user, alias) for at, user, alias in reads if at > first + 1 and at <= last_read.get(source, -1)]
+        if not late:
+            continue
+        start = late[0][0]
+        guarded = set(chains) | {source}
+        if any(order[value] < at < start and m in guarded for at, m in writes):
+            continue
+        # Step: compute v again before its first late read, replay the views each late read needs.
+        with graph.inserting_before(late[0][1]):
+            again = graph.call_function(value.target, value.args, dict(value.kwargs), name=f"{value.name}{AGAIN}")
+            again.meta["val"] = fake_call(value.target, value.args, value.kwargs, mode)
+            copies = {value: again}
+            for _, user, alias in late:
+                for view in chains[alias]:
+                    if view not in copies:
+                        args = (copies[view.args[0]], *view.args[1:])
+                        node = graph.call_function(view.target, args, dict(view.kwargs), name=f"{view.name}{AGAIN}")
+                        node.meta["val"] = fake_call(view.target, args, view.kwargs, mode)
+                        copies[view] = node
+                user.replace_input_with(alias, copies[alias])
+        done += 1
+    return done
 
 
 def build_body(
@@ -176,8 +258,9 @@ def build_body(
             value = item
         results.append(value)
     graph.output(tuple(results))
-    for node in reversed(list(graph.nodes)):  # views that folded into others are no longer read
-        if node.op == "call_function" and not node.users and packet_name(node) in _PURE_VIEWS:
+    rematerialise_cheap(graph, mode)
+    for node in reversed(list(graph.nodes)):  # views that folded into others, or were replayed, are not read
+        if node.op == "call_function" and not node.users and packet_name(node) in ALIAS_OPS:
             graph.erase_node(node)
     graph.set_codegen(_BoxedCodeGen())
     return graph_module(torch.nn.Module(), graph, "ChunkBody", compile)
