@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.graph import _BoxedCodeGen
 
 from memplan.capture import CapturedGraph, Phase
@@ -59,10 +60,11 @@ class Emitted:
 
 
 def _boxed(root: torch.nn.Module, graph: torch.fx.Graph, name: str) -> torch.fx.GraphModule:
+    """A boxed GraphModule of ``graph``, lazy: it runs through :func:`fast_callable`, which generates the
+    code itself, so the module's own code is generated only when read (``Emitted.code``) or called."""
     _drop_detaches(graph)
     graph.set_codegen(_BoxedCodeGen())
-    gm = torch.fx.GraphModule(root, graph, class_name=name)
-    return gm
+    return _LazyGraphModule(root, graph, class_name=name)
 
 
 def emit(graph: CapturedGraph) -> Emitted:
@@ -203,8 +205,9 @@ def fast_callable(gm: torch.fx.GraphModule) -> Callable[[list[Any]], Any]:
             bound[names[qualified]] = operator._op
         return names[qualified] + "("
 
-    source = _OP_CALL.sub(bind, gm.code)
-    namespace = dict(gm.forward.__globals__)
+    python_code = gm.graph.python_code(root_module="self")
+    source = _OP_CALL.sub(bind, python_code.src)
+    namespace = dict(python_code.globals)
     namespace.update(bound)
     exec(compile(source, f"<memplan {type(gm).__name__}>", "exec"), namespace)
     function = namespace["forward"]
@@ -228,11 +231,23 @@ def _as_traced_layout(grad: torch.Tensor) -> torch.Tensor:
 
 
 def _drop_detaches(graph: torch.fx.Graph) -> None:
-    """``detach`` is a no-op outside autograd (both modules run under it); remove it to save Python time."""
-    for node in list(graph.nodes):
+    """``detach`` is a no-op outside autograd (both modules run under it); remove it to save Python time.
+
+    Readers are pointed past every detach first, each reader rewritten once, and the detaches erased
+    last: replacing them one at a time rewrites a reader with many inputs (the forward's output, which
+    returns every saved value) once per detach it reads, quadratic in the size of the graph.
+    """
+    source: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in graph.nodes:
         if node.op == "call_function" and node.target is torch.ops.aten.detach.default:
-            node.replace_all_uses_with(node.args[0])
-            graph.erase_node(node)
+            source[node] = source.get(node.args[0], node.args[0])
+    if not source:
+        return
+    for node in graph.nodes:
+        if node not in source and any(arg in source for arg in node.all_input_nodes):
+            node.args, node.kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda arg: source.get(arg, arg))
+    for node in reversed(list(source)):
+        graph.erase_node(node)
 
 
 def run_inference(emitted: Emitted, flat: Sequence[torch.Tensor]) -> list[Any]:
