@@ -43,8 +43,10 @@ __all__ = ["optimize", "OptimizedModule", "Plan", "DEFAULT_PIPELINE"]
 #: intermediates (it finds a region's backward by sequence numbers, which recomputation would blur),
 #: rematerialisation before in-place reuse (a node written in place joins an in-place unit that can
 #: only be recomputed whole, so in-place first would leave remat fewer choices), checkpointing across
-#: unrolled timesteps under the policy, and last the order with the lowest peak.
-DEFAULT_PIPELINE: tuple[str, ...] = ("rewrite", "chunk", "remat", "inplace", "timesteps", "schedule")
+#: unrolled timesteps under the policy, concatenations filled part by part (after the recomputing
+#: passes, which would see the buffer written slice by slice as a storage written after it is read),
+#: and last the order with the lowest peak.
+DEFAULT_PIPELINE: tuple[str, ...] = ("rewrite", "chunk", "remat", "inplace", "timesteps", "concat", "schedule")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -178,7 +178,8 @@ def mutation_hazards(graph: CapturedGraph, am: AnalysisManager) -> frozenset[tup
     """``(writer, reader)`` pairs: ``reader`` reads, after ``writer`` wrote it, a storage through a node
     defined before the write. In a graph from eager code these are the user's own aliasing; a pass must
     not add any. Taking a view is not a read (``buf.select(0, i)`` made before a write to ``buf`` reads
-    nothing); the view's own readers are checked, since the view is a member of the storage."""
+    nothing); the view's own readers are checked, since the view is a member of the storage. A read of
+    elements the write does not reach is no hazard (``buf[0]`` read after a write to ``buf[1]``)."""
     tensors, liveness = am.get(Tensors), am.get(Liveness)
     position = liveness.position
     by_name = {n.name: n for n in graph.gm.graph.nodes}
@@ -188,9 +189,12 @@ def mutation_hazards(graph: CapturedGraph, am: AnalysisManager) -> frozenset[tup
             continue
         for target in mutated_args(node):
             p = position[node.name]
+            written = element_span(target.meta.get("val"))
             for sid in tensors.storages_of(target.name):
                 for member in tensors.storages[sid].members:
                     if member == node.name or position.get(member, -1) >= p:
+                        continue
+                    if not _overlap(written, element_span(by_name[member].meta.get("val"))):
                         continue
                     for user in by_name[member].users:
                         if user.op == "output" or is_pure_view(user):
@@ -198,6 +202,27 @@ def mutation_hazards(graph: CapturedGraph, am: AnalysisManager) -> frozenset[tup
                         if position[user.name] > p:
                             hazards.add((node.name, user.name))
     return frozenset(hazards)
+
+
+def element_span(value: Any) -> tuple[int, int] | None:
+    """``(first, last)`` element offsets in its storage that a tensor can touch; None: unknown (all).
+
+    Examples
+    --------
+    >>> buf = torch.zeros(4, 3)
+    >>> element_span(buf[1]), element_span(buf[:, 2]), element_span(buf.t())
+    ((3, 5), (2, 11), (0, 11))
+    """
+    if not isinstance(value, torch.Tensor):
+        return None
+    if value.numel() == 0:
+        return (0, -1)
+    offset = int(value.storage_offset())
+    return offset, offset + sum((int(n) - 1) * int(s) for n, s in zip(value.shape, value.stride()))
+
+
+def _overlap(a: tuple[int, int] | None, b: tuple[int, int] | None) -> bool:
+    return a is None or b is None or (a[0] <= b[1] and b[0] <= a[1])
 
 
 def verify(graph: CapturedGraph, am: AnalysisManager) -> None:

@@ -29,15 +29,7 @@ Stages
     is never materialised. This is how a weight used at every step of an unrolled loop accumulates its
     gradient: one product per step, summed into the gradient; autograd's fused RNN kernels do the same.
     The sum is rounded in another order (the BLAS adds into ``acc`` as it goes).
-(5) Concatenation in place (:func:`plan_concats`, :func:`apply_concats`): a ``cat``/``stack`` whose
-    parts are read by nothing else allocates its result when the first part appears, and each part is
-    copied into its slice as soon as it is made, so the parts die one by one instead of all waiting
-    for the concatenation (TensorRT's and MXNet's concat elision, done with copies so that any
-    producer qualifies). The gradient of an unrolled loop's input (``unbind``'s backward stacks one
-    gradient per step) no longer holds every step's gradient twice. The result is allocated earlier
-    than before, so a concatenation is rewritten only where the simulated timeline says its live
-    bytes fall and the peak does not rise.
-(6) Report: nodes rewritten and the simulated peak (graph lifetimes) before minus after.
+(5) Report: nodes rewritten and the simulated peak (graph lifetimes) before minus after.
 
 Preconditions
 -------------
@@ -73,7 +65,8 @@ they live at most until the accumulation, and only when nothing writes them in b
 
 Left to other passes
 --------------------
-Reusing dead storages of other shapes or of non-adjacent ops (``arena``), reordering so that more
+Filling a concatenation part by part (``concat``), reusing dead storages of other shapes or of
+non-adjacent ops (``arena``), reordering so that more
 inputs are dead in time (``schedule``), recomputation (``remat``) and non-pointwise ops (matmul,
 reductions: their out variants need the ``arena`` preallocation).
 """
@@ -108,9 +101,6 @@ __all__ = [
     "apply_inplace",
     "is_dense_full",
     "fuse_accumulations",
-    "ConcatInPlace",
-    "plan_concats",
-    "apply_concats",
 ]
 
 #: Pointwise ops whose in-place overload computes the same values into ``self``. Membership is a
@@ -502,130 +492,6 @@ def fuse_accumulations(graph: CapturedGraph) -> tuple[CapturedGraph, int]:
 
 
 # ----------------------------------------------------------------------------------------------
-# concatenation in place
-
-_CONCATS = {torch.ops.aten.cat.default: False, torch.ops.aten.stack.default: True}
-
-
-@dataclasses.dataclass(frozen=True)
-class ConcatInPlace:
-    """``node`` (a ``cat`` or ``stack`` along ``dim``) is filled part by part as ``parts`` are made."""
-
-    node: str
-    parts: tuple[str, ...]
-    dim: int
-    stack: bool
-    nbytes: int
-
-
-def _concat_parts(node: torch.fx.Node, tensors: Tensors, position: Mapping[str, int],
-                  by_name: Mapping[str, torch.fx.Node]) -> tuple[tuple[str, ...], int, int] | None:
-    """``(parts, dim, nbytes of the parts' storages)`` when every part may be copied in early."""
-    parts, dim = node.args[0], (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0))
-    out = node.meta.get("val")
-    if not isinstance(out, torch.Tensor) or not is_dense_full(out) or not isinstance(parts, (list, tuple)):
-        return None
-    rank = out.dim() - (1 if _CONCATS[node.target] else 0)
-    seen: set[int] = set()
-    total = 0
-    for part in parts:
-        value = part.meta.get("val") if isinstance(part, torch.fx.Node) else None
-        if not isinstance(value, torch.Tensor) or value.dim() != rank or value.dtype != out.dtype:
-            return None  # (also rules out cat's legacy empty 1-d parts)
-        sids = tensors.storages_of(part.name)
-        if len(sids) != 1 or sids[0] in seen or tensors.storages[sids[0]].external:
-            return None
-        seen.add(sids[0])
-        storage = tensors.storages[sids[0]]
-        p = position[part.name]
-        for member in storage.members:
-            if position.get(member, -1) > p:
-                return None  # an alias made (or a write) after the part
-            for user in by_name[member].users:
-                if user is not node and (user.op == "output" or position[user.name] > p):
-                    return None  # read after it is made by something other than the concatenation
-        total += storage.nbytes
-    return tuple(p.name for p in parts), dim % out.dim(), total
-
-
-def plan_concats(graph: CapturedGraph, am: AnalysisManager) -> tuple[ConcatInPlace, ...]:
-    """The concatenations to fill in place (stage 5): largest first, each only where the simulated live
-    bytes over its window fall and the peak does not rise (judged on the timeline as updated by the
-    ones already chosen)."""
-    tensors, liveness = am.get(Tensors), am.get(Liveness)
-    position = liveness.position
-    by_name = {n.name: n for n in graph.gm.graph.nodes}
-    live = [event.live for event in am.get(PeakSimulation).timeline]
-    candidates = []
-    for node in graph.gm.graph.nodes:
-        if node.op != "call_function" or node.target not in _CONCATS:
-            continue
-        found = _concat_parts(node, tensors, position, by_name)
-        if found is not None and graph.phases.get(node.name) is not None and all(
-            graph.phases.get(part) == graph.phases[node.name] for part in found[0]
-        ):
-            candidates.append((node, *found))
-    chosen = []
-    peak = max(live, default=0)
-    for node, parts, dim, total in sorted(candidates, key=lambda c: (-c[3], position[c[0].name])):
-        nbytes = tensors.storages[tensors.storages_of(node.name)[0]].nbytes
-        made = sorted((position[part], tensors.storages[tensors.storages_of(part)[0]].nbytes) for part in parts)
-        first, at = made[0][0], position[node.name]
-        # New live bytes in [first, at): the result (allocated at the first part) plus the part made at
-        # that position, instead of every part made so far; at the concatenation, no parts.
-        delta, prefix, k = [], 0, 0
-        for p in range(first, at):
-            fresh = 0
-            while k < len(made) and made[k][0] == p:
-                prefix += made[k][1]
-                fresh += made[k][1]
-                k += 1
-            delta.append(nbytes - prefix + fresh)
-        delta.append(-total)
-        window = live[first:at + 1]
-        new = [a + b for a, b in zip(window, delta)]
-        if max(new) >= max(window) or max(new) > peak:
-            continue
-        live[first:at + 1] = new
-        chosen.append(ConcatInPlace(node.name, parts, dim, _CONCATS[node.target], nbytes))
-    return tuple(chosen)
-
-
-def apply_concats(graph: CapturedGraph, concats: tuple[ConcatInPlace, ...]) -> CapturedGraph:
-    """Allocate each concatenation before its first part, copy every part into its slice right after
-    it is made, and read the result through an alias made where the concatenation was."""
-    if not concats:
-        return graph
-    editor = GraphEditor(graph)
-    by_name = {n.name: n for n in graph.gm.graph.nodes}
-    order = {n.name: i for i, n in enumerate(graph.gm.graph.nodes)}
-    for concat in concats:
-        node = by_name[concat.node]
-        out = node.meta["val"]
-        parts = [by_name[name] for name in concat.parts]
-        first = min(parts, key=lambda part: order[part.name])
-        buffer = editor.call(
-            torch.ops.aten.new_empty_strided.default, (first, list(out.shape), list(out.stride())),
-            {"dtype": out.dtype, "device": out.device}, like=node, after=first,
-        )
-        start = 0
-        for index, part in enumerate(parts):
-            anchor = buffer if part is first else part
-            if concat.stack:
-                view = editor.call(torch.ops.aten.select.int, (buffer, concat.dim, index), like=node, after=anchor)
-            else:
-                length = int(part.meta["val"].shape[concat.dim])
-                view = editor.call(torch.ops.aten.slice.Tensor, (buffer, concat.dim, start, start + length),
-                                   like=node, after=anchor)
-                start += length
-            editor.call(torch.ops.aten.copy_.default, (view, part), like=node, after=view)
-        result = editor.call(torch.ops.aten.alias.default, (buffer,), like=node, before=node)
-        node.replace_all_uses_with(result)
-        editor.erase(node)
-    return editor.finish()
-
-
-# ----------------------------------------------------------------------------------------------
 # the pass
 
 
@@ -636,13 +502,9 @@ def inplace(graph: CapturedGraph, ctx: PassContext) -> PassResult:
     plan = plan_inplace(graph, ctx.am, options)
     peak_before = ctx.am.get(PeakSimulation).peak
     new, fused = fuse_accumulations(apply_inplace(graph, plan))
-    am = ctx.am if new is graph else AnalysisManager(new)
-    concats = plan_concats(new, am)
-    new = apply_concats(new, concats)
-    if not plan.rewrites and not fused and not concats:
+    if not plan.rewrites and not fused:
         return PassResult(graph, changed=False, notes=("no pointwise op has a dead, dense input",), plan=plan)
-    # Step 6: report what the simulated peak gained.
+    # Step 5: report what the simulated peak gained.
     peak_after = AnalysisManager(new).get(PeakSimulation).peak
-    stats = PassStats(nodes_rewritten=len(plan.rewrites) + fused + len(concats), bytes_saved=peak_before - peak_after)
-    notes = (f"{len(concats)} concatenation(s) filled in place",) if concats else ()
-    return PassResult(new, changed=True, stats=stats, notes=notes, plan=plan)
+    stats = PassStats(nodes_rewritten=len(plan.rewrites) + fused, bytes_saved=peak_before - peak_after)
+    return PassResult(new, changed=True, stats=stats, plan=plan)
