@@ -603,25 +603,42 @@ def _relaid_by_broadcast_tangents(tangents: list[torch.Tensor], leaves: list[tor
     sends, and :func:`memplan.emit.PlanFunction` passes it on as it is, since it costs nothing). Kernels
     lay out their outputs after their inputs' strides, so the gradients computed from a broadcast
     tangent may come out in other strides. They are found by re-running over fake values the backward
-    ops whose inputs change strides, with each tangent broadcast alone and with all of them broadcast
-    (with three or more tangents, broadcasting some but not all is not examined).
+    ops whose inputs change strides, with each tangent broadcast alone, and with all of them broadcast
+    where an op reads values that two tangents change (with three or more tangents, broadcasting some
+    but not all is not examined).
     """
     tracer = get_proxy_mode().tracer
+    graph = tracer.graph
     tangent_nodes = [get_proxy_slot(t, tracer).proxy.node for t in tangents]
     grad_nodes = {
         i: get_proxy_slot(leaf.grad, tracer).proxy.node for i, leaf in enumerate(leaves) if leaf.grad is not None
     }
-    scenarios = [[node] for node in tangent_nodes]
-    if len(tangent_nodes) > 1:
-        scenarios.append(tangent_nodes)
-    relaid: set[int] = set()
     with disable_proxy_modes_tracing():
-        for broadcast in scenarios:
-            values = _restrided_values(tracer.graph, broadcast)
-            for i, node in grad_nodes.items():
-                if node in values and not _keeps_layout_contract(values[node], leaves[i]):
-                    relaid.add(i)
+        scenarios = [_restrided_values(graph, [node]) for node in tangent_nodes]
+        if _meet(graph, scenarios):
+            scenarios.append(_restrided_values(graph, tangent_nodes))
+    relaid: set[int] = set()
+    for values in scenarios:
+        for i, node in grad_nodes.items():
+            if node in values and not _keeps_layout_contract(values[node], leaves[i]):
+                relaid.add(i)
     return relaid
+
+
+def _meet(graph: torch.fx.Graph, scenarios: list[dict[torch.fx.Node, Any]]) -> bool:
+    """Whether some op reads values changed in two scenarios (if none does, broadcasting several tangents
+    at once changes each value as broadcasting one of them alone does)."""
+    changed_in: dict[torch.fx.Node, set[int]] = {}
+    for i, values in enumerate(scenarios):
+        for node in values:
+            changed_in.setdefault(node, set()).add(i)
+    for node in graph.nodes:
+        reads: set[int] = set()
+        for arg in node.all_input_nodes:
+            reads |= changed_in.get(arg, set())
+        if len(reads) > 1:
+            return True
+    return False
 
 
 def _restrided_values(graph: torch.fx.Graph, broadcast: list[torch.fx.Node]) -> dict[torch.fx.Node, Any]:
