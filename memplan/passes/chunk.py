@@ -662,12 +662,15 @@ def _make_loops(
     mode,
     compile: bool,
     inner: Mapping[int, "ChunkPlan"] | None = None,
-) -> tuple[dict[int, ChunkLoop], list[LoopOutput], Callable[[str, int | None], bool]]:
+    narrow: Mapping[torch.fx.Node, torch.dtype] | None = None,
+) -> tuple[dict[int, ChunkLoop], list[LoopOutput], Callable[[str, int | None], bool], int]:
     """Loop modules running ``nodes`` chunk by chunk, one per chunk size in ``sizes``; a body of a
     length in ``inner`` is chunked again by that plan. Also returns ``scales(name, index)``: whether a
     body value (item ``index`` of body node ``name``) carries the index (see :class:`BodyModel`)."""
+    narrow = narrow or {}
     body_outputs: list[tuple[torch.fx.Node, int | None]] = [(o, None) for o in outputs]
     specs = [_output_spec(o, states.get(o, REP)) for o in outputs]
+    specs = [dataclasses.replace(s, dtype=narrow[o]) if o in narrow else s for s, o in zip(specs, outputs)]
     input_index = {node: i for i, (node, _) in enumerate(inputs)}
     for i, o in enumerate(outputs):
         if states.get(o) == Partial("inplace") and o.args[0] in input_index:
@@ -699,7 +702,12 @@ def _make_loops(
                 specs[i] = dataclasses.replace(specs[i], kind="inplace", steps=steps, acc_shape=tuple(value.shape), dtype=value.dtype)
                 accumulators.append(zero)
                 body_outputs[i] = (scatter, None)  # the loop views the accumulator itself, once, at the end
-    loop_inputs = tuple(LoopInput(s.dim, s.inner) if isinstance(s, Split) else LoopInput() for _, s in inputs)
+    # an input stored narrow by the forward loop is widened back, chunk by chunk, beside the body
+    loop_inputs = tuple(
+        LoopInput(s.dim, s.inner, node.meta["val"].dtype if node in narrow else None) if isinstance(s, Split) else LoopInput()
+        for node, s in inputs
+    )
+    held = sum(nbytes(node) // region.units for node, s in inputs if node in narrow and isinstance(s, Split))
     built: dict[int, torch.fx.GraphModule] = {}
     loops = {}
     for size in sizes:
@@ -711,7 +719,7 @@ def _make_loops(
                 if inner and length in inner:
                     built[length] = apply_chunk(body_graph(built[length]), inner[length], compile).gm
         bodies = {length: built[length] for length in lengths}
-        scratch = max(body_peak(b) for b in bodies.values())
+        scratch = max(body_peak(b) + held * length for length, b in bodies.items())
         spec = LoopSpec(region.units, size, loop_inputs, tuple(specs), scratch)
         loops[size] = ChunkLoop(spec, bodies)
     body_states = {node.name: states.get(node, REP) for node in nodes}
@@ -723,7 +731,28 @@ def _make_loops(
             state = state[index] if index is not None and index < len(state) else REP
         return isinstance(state, Split)
 
-    return loops, specs, scales
+    return loops, specs, scales, held
+
+
+def _narrow_indices(nodes: Sequence[torch.fx.Node]) -> dict[torch.fx.Node, torch.dtype]:
+    """The narrowest integer type for each of ``nodes`` that holds indices into a dimension of known
+    size (the indices of ``max``/``min`` over a dimension, ``argmax``/``argmin``): saved for the
+    backward, they take a quarter or an eighth of the memory."""
+    found = {}
+    for node in nodes:
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.int64:
+            continue
+        op, item = (node.args[0], node.args[1]) if node.target is operator.getitem else (node, None)
+        name = packet_name(op)
+        if name in ("max", "min") and op.target._overloadname == "dim" and item == 1:
+            size = shape_of(op.args[0])[arg_of(op, 1, "dim") % len(shape_of(op.args[0]))]
+        elif name in ("argmax", "argmin") and arg_of(op, 1, "dim") is not None and item is None:
+            size = shape_of(op.args[0])[arg_of(op, 1, "dim") % len(shape_of(op.args[0]))]
+        else:
+            continue
+        found[node] = torch.uint8 if size <= 256 else torch.int16 if size <= 2**15 else torch.int32 if size <= 2**31 else torch.int64
+    return {n: d for n, d in found.items() if d != torch.int64}
 
 
 def _insert_loop(graph_state: dict, gm: torch.fx.GraphModule, loop: ChunkLoop, specs, args, phase: Phase, like: torch.fx.Node,
@@ -773,6 +802,7 @@ class _Applied:
     graph: CapturedGraph
     loops_for: Callable[[int], list[tuple[torch.fx.Node, ChunkLoop]]]
     scales: list[Callable[[str, int | None], bool]]
+    held: list[int]
 
 
 def _apply_region(graph: CapturedGraph, region: ChunkRegion, compile: bool) -> _Applied:
@@ -798,9 +828,10 @@ def _apply_region(graph: CapturedGraph, region: ChunkRegion, compile: bool) -> _
     f_nodes = [src[n] for n, _ in region.forward]
     f_inputs = [(a, sources.get(a, REP)) for a in _external_inputs(f_nodes)]
     f_outputs = [src[n] for n in (*region.outputs, *region.saved)]
-    builders = [lambda sizes: _make_loops(region, sizes, f_nodes, f_inputs, f_outputs, fstates, mode, compile, inner["forward"])]
-    loops, specs, f_scales = builders[0]([region.chunk])
-    scales = [f_scales]
+    narrow = _narrow_indices([src[n] for n in region.saved if n not in region.outputs])
+    builders = [lambda sizes: _make_loops(region, sizes, f_nodes, f_inputs, f_outputs, fstates, mode, compile, inner["forward"], narrow)]
+    loops, specs, f_scales, f_held = builders[0]([region.chunk])
+    scales, held = [f_scales], [f_held]
     new_fwd = _insert_loop(state, gm, loops[region.chunk], specs, [by_name[a.name] for a, _ in f_inputs], Phase.FORWARD, anchor, seq, mode)
     calls = [new_fwd[0]]
     priority = dict(original)
@@ -827,9 +858,10 @@ def _apply_region(graph: CapturedGraph, region: ChunkRegion, compile: bool) -> _
             b_inputs.append((a, s))
         states = {**{src[n]: fstates[src[n]] for n in region.recompute}, **{src[n]: s for n, s in region.backward}}
         b_outputs = [src[n] for n in region.backward_outputs]
-        builders.append(lambda sizes: _make_loops(region, sizes, b_nodes, b_inputs, b_outputs, states, mode, compile, inner["backward"]))
-        bloops, bspecs, b_scales = builders[1]([region.chunk])
+        builders.append(lambda sizes: _make_loops(region, sizes, b_nodes, b_inputs, b_outputs, states, mode, compile, inner["backward"], narrow))
+        bloops, bspecs, b_scales, b_held = builders[1]([region.chunk])
         scales.append(b_scales)
+        held.append(b_held)
         args = [materialised.get(by_name[a.name], by_name[a.name]) for a, _ in b_inputs]
         new_bwd = _insert_loop(state, gm, bloops[region.chunk], bspecs, args, Phase.BACKWARD, body[0], seq, mode)
         calls.append(new_bwd[0])
@@ -870,7 +902,7 @@ def _apply_region(graph: CapturedGraph, region: ChunkRegion, compile: bool) -> _
             cache[size] = [(call, build([size])[0][size]) for call, build in zip(calls, builders)]
         return cache[size]
 
-    return _Applied(new, loops_for, scales)
+    return _Applied(new, loops_for, scales, held)
 
 
 def _drop_layout_copy(graph: torch.fx.Graph, item: torch.fx.Node) -> None:
@@ -1214,7 +1246,10 @@ def _evaluate(graph: CapturedGraph, region: ChunkRegion, sizes: list[int], base_
     built = applied.loops_for(sizes[0])
     scratch_ids = [tensors.storages_of(call.name)[-1] for call, _ in built]
     fixed_cost = module_cost(applied.graph.gm, options.rates) - sum(loop.cost(options.rates) for _, loop in built)
-    models = [BodyModel.of(loop.bodies[str(sizes[0])], scales, sizes[0]) for (_, loop), scales in zip(built, applied.scales)]
+    models = [
+        BodyModel.of(loop.bodies[str(sizes[0])], scales, sizes[0], held)
+        for (_, loop), scales, held in zip(built, applied.scales, applied.held)
+    ]
     candidates: list[Candidate] = []
     stopped = False
     for size in sizes:
@@ -1242,7 +1277,7 @@ def _evaluate(graph: CapturedGraph, region: ChunkRegion, sizes: list[int], base_
             swap = applied.loops_for(finest.plan.chunk)
         except (RuntimeError, ValueError, TypeError, IndexError):
             return candidates
-        nested = _nested_variant(swap, finest, options, policy)
+        nested = _nested_variant(swap, finest, options, policy, base_cost)
         if nested is not None:
             try:
                 new = _apply_region(graph, nested, compile=False).graph
@@ -1282,24 +1317,27 @@ def _walk_peak(tensors: Tensors, liveness: Liveness, sizes: Mapping[int, int]) -
     return peak
 
 
-def _nested_variant(swap, finest: Candidate, options: ChunkOptions, policy) -> ChunkRegion | None:
+def _nested_variant(swap, finest: Candidate, options: ChunkOptions, policy, base_cost: float) -> ChunkRegion | None:
     """When the index is used up (chunks of one unit), chunk the loop bodies along a second index.
 
     Only loops whose chunk (scratch) is a sizeable part of the peak are tried. A body is planned under
-    what the outer candidate leaves of the policy: the rest of the overhead allowance, or the budget
-    less what the rest of the graph holds. The plan is made on the full-length body and reused for
-    the shorter last chunk's body (the second index is the same in both)."""
+    what the outer candidate leaves of the policy: without a budget, the rest of the overhead
+    allowance, shared by the loops tried and converted into the body's own terms (an extra fraction
+    ``x`` of a loop costs ``x * loop cost`` seconds, which must fit in the rest of ``max_overhead *
+    base_cost``); with a budget, the budget less what the rest of the graph holds. The plan is made on
+    the full-length body and reused for the shorter last chunk's body (the second index is the same
+    in both). The nested candidate is then priced whole, so the policy still has the last word."""
     region = finest.plan
     inner_options = dataclasses.replace(options, nest=False, regions=1)
+    tried = [(kind, loop) for kind, (_node, loop) in zip(("forward", "backward"), swap)
+             if loop.spec.scratch >= options.nest_fraction * finest.peak]
     plans = []
-    for kind, (_node, loop) in zip(("forward", "backward"), swap):
-        if loop.spec.scratch < options.nest_fraction * finest.peak:
-            continue
+    for kind, loop in tried:
         if policy.budget is None:
             if finest.overhead >= policy.max_overhead:
                 continue
-            # the body runs (1 + outer overhead) times the original work: its own overhead scales by that
-            inner_policy = Policy(max_overhead=(policy.max_overhead - finest.overhead) / (1.0 + finest.overhead))
+            rest = (policy.max_overhead - finest.overhead) * base_cost / len(tried)
+            inner_policy = Policy(max_overhead=rest / max(loop.cost(options.rates), 1e-12))
         else:
             inner_policy = Policy(budget=max(1, policy.budget - (finest.peak - loop.spec.scratch)), max_overhead=policy.max_overhead)
         plan, _ = _plan(body_graph(loop.bodies[str(region.chunk)]), inner_policy, inner_options)

@@ -78,11 +78,18 @@ from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation
 from memplan.capture import CapturedGraph, Phase, _tag_backward_with_seq_nr
 from memplan.graphutil import packet_name
-from memplan.passes._chunk.graphs import copy_graph, fake_mode_of, refresh_aliases, region_backward, stable_toposort
+from memplan.passes._chunk.graphs import (
+    copy_graph,
+    fake_call,
+    fake_mode_of,
+    refresh_aliases,
+    region_backward,
+    stable_toposort,
+)
 from memplan.passes._chunk.rules import Split
 from memplan.pipeline import PassContext, PassResult, PassStats, register_pass
 
-__all__ = ["BroadcastMatmul", "MatmulMax", "RewritePlan", "plan_rewrite", "apply_rewrite", "rewrite"]
+__all__ = ["BroadcastMatmul", "MatmulMax", "ScatterIntoZeros", "InterleavedSlices", "RewritePlan", "plan_rewrite", "apply_rewrite", "rewrite"]
 
 _VIEWS = {"view", "_unsafe_view", "reshape"}
 _CHAIN = _VIEWS | {"permute", "transpose", "t", "unsqueeze", "squeeze", "alias", "detach"}
@@ -163,7 +170,35 @@ class MatmulMax:
         return f"matmul {self.kind} {self.reduce}: keeps {str(self.index_dtype).replace('torch.', '')} indices over {what} of {self.matmul}"
 
 
-Rewrite = Union[BroadcastMatmul, MatmulMax]
+@dataclasses.dataclass(frozen=True)
+class ScatterIntoZeros:
+    """``x + scatter(zeros, dim, index, src)`` with one index per line along ``dim`` (what the gradient
+    of ``max(dim, keepdim=True)`` builds) is ``scatter_add(x, dim, index, src)``: no zero tensor, no add."""
+
+    add: str
+    scatter: str
+    zeros: str
+    other: str
+
+    def __str__(self) -> str:
+        return f"scatter into zeros {self.scatter}: added into {self.other} directly"
+
+
+@dataclasses.dataclass(frozen=True)
+class InterleavedSlices:
+    """``slice_backward(a, shape, d, 0, end, 2) + slice_backward(b, shape, d, 1, end, 2)`` (the gradients
+    of the even and the odd slices of a tensor) is ``stack([a, b], d + 1).view(shape)``: no two zero
+    tensors of the full shape, no add."""
+
+    add: str
+    even: str
+    odd: str
+
+    def __str__(self) -> str:
+        return f"interleaved slice gradients {self.even}, {self.odd}: stacked"
+
+
+Rewrite = Union[BroadcastMatmul, MatmulMax, ScatterIntoZeros, InterleavedSlices]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +240,64 @@ def _find_broadcast_matmuls(graph: CapturedGraph) -> list[BroadcastMatmul]:
             nodes = (expand.name, copy.name, *(v.name for v in reversed(views)), node.name)
             found.append(BroadcastMatmul(node.name, side, nodes, source.name, node.args[1 - side].name, shape, broadcast))
             break
+    return found
+
+
+def _single_use(node: Any) -> bool:
+    return isinstance(node, torch.fx.Node) and len(node.users) == 1
+
+
+def _plain_add(node: torch.fx.Node) -> bool:
+    """``a + b`` of two tensors of the same shape and dtype (no broadcast, no ``alpha``)."""
+    if node.target is not torch.ops.aten.add.Tensor or node.kwargs.get("alpha", 1) != 1 or len(node.args) != 2:
+        return False
+    a, b = node.args
+    value = node.meta.get("val")
+    return all(
+        isinstance(x, torch.fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)
+        and isinstance(value, torch.Tensor) and x.meta["val"].shape == value.shape and x.meta["val"].dtype == value.dtype
+        for x in (a, b)
+    )
+
+
+def _find_scatter_into_zeros(graph: CapturedGraph) -> list[ScatterIntoZeros]:
+    found = []
+    for node in graph.gm.graph.nodes:
+        if node.op != "call_function" or not _plain_add(node):
+            continue
+        for s, x in (node.args, node.args[::-1]):
+            if s.target is not torch.ops.aten.scatter.src or not _single_use(s) or s is x:
+                continue
+            zeros, dim, index, src = s.args[:4]
+            if packet_name(zeros) not in ("new_zeros", "zeros", "zeros_like") or not _single_use(zeros):
+                continue
+            rank = len(_shape(s))
+            if _shape(index)[dim % rank] != 1 or _dtype(src) != _dtype(s):
+                continue  # several indices on a line: scatter keeps one value, scatter_add would sum them
+            found.append(ScatterIntoZeros(node.name, s.name, zeros.name, x.name))
+            break
+    return found
+
+
+def _find_interleaved_slices(graph: CapturedGraph) -> list[InterleavedSlices]:
+    found = []
+    for node in graph.gm.graph.nodes:
+        if node.op != "call_function" or not _plain_add(node):
+            continue
+        parts = {}
+        for s in node.args:
+            if s.target is not torch.ops.aten.slice_backward.default or not _single_use(s):
+                break
+            grad, shape, dim, start, end, step = s.args
+            rank = len(shape)
+            if step != 2 or start not in (0, 1) or end < shape[dim % rank] or shape[dim % rank] % 2:
+                break
+            if _shape(grad)[dim % rank] != shape[dim % rank] // 2:
+                break
+            parts[start] = (s, dim % rank, tuple(shape))
+        else:
+            if set(parts) == {0, 1} and parts[0][1:] == parts[1][1:]:
+                found.append(InterleavedSlices(node.name, parts[0][0].name, parts[1][0].name))
     return found
 
 
@@ -669,6 +762,50 @@ def _replace_region(graph: CapturedGraph, region_names: Sequence[str], input_nam
 # plan and apply
 
 
+def _pattern_nodes(pattern: Rewrite) -> set[str]:
+    if isinstance(pattern, BroadcastMatmul):
+        return set(pattern.nodes)
+    if isinstance(pattern, MatmulMax):
+        return {pattern.matmul, *pattern.chain, pattern.reduce}
+    if isinstance(pattern, ScatterIntoZeros):
+        return {pattern.add, pattern.scatter, pattern.zeros}
+    return {pattern.add, pattern.even, pattern.odd}
+
+
+def _replace_local(graph: CapturedGraph, pattern: Rewrite, state: dict) -> bool:
+    """Apply a backward peephole in place: new nodes right before the add, which they replace."""
+    gm = graph.gm
+    add = graph.node(pattern.add)
+    mode = fake_mode_of(gm.graph)
+    if isinstance(pattern, ScatterIntoZeros):
+        scatter = graph.node(pattern.scatter)
+        _, dim, index, src = scatter.args[:4]
+        steps = [(torch.ops.aten.scatter_add.default, (graph.node(pattern.other), dim, index, src))]
+        dead = [add, scatter, graph.node(pattern.zeros)]
+    else:
+        even, odd = graph.node(pattern.even), graph.node(pattern.odd)
+        dim = even.args[2] % len(even.args[1])
+        steps = [(torch.ops.aten.stack.default, ([even.args[0], odd.args[0]], dim + 1)),
+                 (torch.ops.aten.view.default, (None, list(even.args[1])))]
+        dead = [add, even, odd]
+    value = None
+    with gm.graph.inserting_before(add):
+        for target, args in steps:
+            if args[0] is None:
+                args = (value, *args[1:])
+            value = gm.graph.call_function(target, args)
+            value.meta["val"] = fake_call(target, args, {}, mode)
+            state["phases"][value.name] = graph.phases[add.name]
+            if add.name in graph.seq_nr:
+                state["seq_nr"][value.name] = graph.seq_nr[add.name]
+            if add.name in graph.sources:
+                state["sources"][value.name] = graph.sources[add.name]
+    add.replace_all_uses_with(value)
+    for node in dead:
+        gm.graph.erase_node(node)
+    return True
+
+
 def plan_rewrite(graph: CapturedGraph) -> RewritePlan:
     """Stage 1: the patterns found in ``graph`` (pure).
 
@@ -684,8 +821,10 @@ def plan_rewrite(graph: CapturedGraph) -> RewritePlan:
     # Step 1: the patterns, each node in at most one.
     found: list[Rewrite] = []
     taken: set[str] = set()
-    for pattern in [*_find_broadcast_matmuls(graph), *_find_matmul_max(graph)]:
-        nodes = set(pattern.nodes) if isinstance(pattern, BroadcastMatmul) else {pattern.matmul, *pattern.chain, pattern.reduce}
+    patterns = [*_find_broadcast_matmuls(graph), *_find_matmul_max(graph)]
+    patterns += [*_find_scatter_into_zeros(graph), *_find_interleaved_slices(graph)]
+    for pattern in patterns:
+        nodes = _pattern_nodes(pattern)
         if nodes & taken:
             continue
         taken |= nodes
@@ -702,6 +841,10 @@ def apply_rewrite(graph: CapturedGraph, plan: RewritePlan) -> tuple[CapturedGrap
     done = []
     for pattern in plan.rewrites:
         current = dataclasses.replace(graph, phases=dict(state["phases"]), seq_nr=dict(state["seq_nr"]), sources=dict(state["sources"]))
+        if isinstance(pattern, (ScatterIntoZeros, InterleavedSlices)):
+            if _replace_local(current, pattern, state):
+                done.append(pattern)
+            continue
         if isinstance(pattern, BroadcastMatmul):
             region = list(pattern.nodes)
             inputs, outputs = [pattern.other, pattern.source], [pattern.bmm]

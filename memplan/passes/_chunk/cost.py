@@ -27,22 +27,44 @@ class CostRates:
     """A roofline-style estimate of an op's time: FLOPs at ``flops`` per second, bytes read and written
     at ``bandwidth`` bytes per second (``cache_bandwidth`` when the op's operands and result together
     fit in ``cache_bytes``: a chunk's working set stays in cache, a whole-batch tensor streams from
-    memory), plus a fixed overhead per op (``dispatch`` for ops that compute, ``view_dispatch`` for
-    views, which allocate nothing) and ``chunk_seconds`` per chunk of a loop. The defaults are a modest
-    2-core CPU: overheads measured on fx code running tiny tensors (about 3 us per op, 1 us per view),
-    and a cache advantage of 1.5x (chain product: its chunked forward ran in 34 ms where eager's took
-    46 ms). Only ratios matter: the policy compares extra compute with the original."""
+    memory), ``index_element`` seconds per element an op reduces with indices (``max.dim``) or moves
+    through an index tensor (``index``, ``index_add_``, ``scatter``, ``gather``: element-wise loops
+    that do not vectorise), plus a fixed overhead per op (``dispatch`` for ops that compute,
+    ``view_dispatch`` for views, which allocate nothing) and ``chunk_seconds`` per chunk of a loop.
 
-    flops: float = 50e9
+    The defaults were fitted on a shared 2-core CPU (torch 2.13, one thread) to the measured step
+    times of the chunked examples at several chunk counts: the extra time grows by about 4 us per op
+    per chunk (chain product: 1.7 ms per chunk for ~340 ops; maxsim: 0.14 ms per chunk for ~30 ops),
+    a ``max`` with indices costs 1-5 ns per element read (maxsim's 1.2 M-element max: 5.9 ms, where
+    bytes alone predict 0.5 ms), single-thread matmuls reach about 30 GFLOP/s, and a chunk's working
+    set in cache moves about 1.5x faster. Only ratios matter: the policy compares extra compute with
+    the original. Other machines differ; pass ``options={"chunk.rates": CostRates(...)}``."""
+
+    flops: float = 30e9
     bandwidth: float = 10e9
     cache_bandwidth: float = 15e9
     cache_bytes: int = 2**20
-    dispatch: float = 3e-6
-    view_dispatch: float = 1e-6
-    chunk_seconds: float = 10e-6
+    index_element: float = 2e-9
+    dispatch: float = 4e-6
+    view_dispatch: float = 1.5e-6
+    chunk_seconds: float = 15e-6
 
 
 _NO_TRAFFIC = ALIAS_OPS | {"getitem", "_unsafe_view", "empty", "new_empty", "new_empty_strided", "empty_strided"}
+
+
+_INDEXED_REDUCTIONS = {"max", "min", "argmax", "argmin", "sort", "topk", "cummax", "cummin"}
+# op -> the argument whose elements move through the index (None: the result's elements)
+_INDEXED_MOVES = {"index": None, "index_select": None, "gather": None, "embedding": None,
+                  "scatter": 3, "scatter_": 3, "scatter_add": 3, "scatter_add_": 3, "index_add": 3, "index_add_": 3,
+                  "index_put": 2, "index_put_": 2, "_index_put_impl_": 2, "embedding_dense_backward": 0}
+
+
+def _numel(node: torch.fx.Node) -> int:
+    value = node.meta.get("val")
+    if isinstance(value, (tuple, list)):
+        value = value[0] if value else None
+    return int(value.numel()) if isinstance(value, torch.Tensor) else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +81,7 @@ class OpWork:
     scaled_bytes: int = 0
     view: bool = False
     none: bool = False
+    indexed: float = 0.0  # elements reduced with indices or moved through an index tensor
 
     def price(self, rates: CostRates, factor: float = 1.0) -> float:
         """Seconds at ``factor`` times the length the work was measured at."""
@@ -66,10 +89,10 @@ class OpWork:
             return 0.0
         if self.view:
             return rates.view_dispatch
-        flops = self.flops * (factor if self.flops_scale else 1.0)
+        scale = factor if self.flops_scale else 1.0
         traffic = self.fixed_bytes + self.scaled_bytes * factor
         bandwidth = rates.cache_bandwidth if traffic <= rates.cache_bytes else rates.bandwidth
-        return flops / rates.flops + traffic / bandwidth + rates.dispatch
+        return self.flops * scale / rates.flops + self.indexed * scale * rates.index_element + traffic / bandwidth + rates.dispatch
 
 
 def op_work(node: torch.fx.Node, scales: Callable[[torch.fx.Node], bool] = lambda n: False) -> OpWork:
@@ -91,6 +114,13 @@ def op_work(node: torch.fx.Node, scales: Callable[[torch.fx.Node], bool] = lambd
     elif name == "convolution":
         weight = shape_of(node.args[1])
         flops = 2 * max(nbytes(node) // 4, 1) * math.prod(weight[1:]) if weight else 0
+    indexed = 0
+    if name in _INDEXED_REDUCTIONS and not (name in ("max", "min") and node.target._overloadname == "default"):
+        indexed = _numel(node.args[0])
+    elif name in _INDEXED_MOVES:
+        source = _INDEXED_MOVES[name]  # the argument whose elements move (None: the result)
+        moved = node if source is None else node.args[source] if source < len(node.args) else None
+        indexed = _numel(moved) if isinstance(moved, torch.fx.Node) else 0
     fixed = scaled = 0
     operands = [a for a in node.all_input_nodes if is_tensor(a)]
     for value in [node, *operands]:
@@ -98,7 +128,7 @@ def op_work(node: torch.fx.Node, scales: Callable[[torch.fx.Node], bool] = lambd
             scaled += nbytes(value)
         else:
             fixed += nbytes(value)
-    return OpWork(flops, any(scales(a) for a in operands) or scales(node), fixed, scaled)
+    return OpWork(flops, any(scales(a) for a in operands) or scales(node), fixed, scaled, indexed=indexed)
 
 
 def node_cost(node: torch.fx.Node, rates: CostRates) -> float:

@@ -268,10 +268,12 @@ def build_body(
 
 @dataclasses.dataclass(frozen=True)
 class LoopInput:
-    """How the loop hands an input to each chunk: a slice on ``dim`` (None: the whole tensor)."""
+    """How the loop hands an input to each chunk: a slice on ``dim`` (None: the whole tensor),
+    converted to ``dtype`` when set (indices a forward loop stored narrow)."""
 
     dim: int | None = None
     inner: int = 1
+    dtype: torch.dtype | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,17 +353,20 @@ class ChunkLoop(torch.nn.Module):
             None if s.dim is None else a.split(spec.chunk * s.inner, s.dim) for a, s in zip(args, spec.inputs)
         ]
         combined = [(i, out) for i, out in enumerate(spec.outputs) if out.same_as < 0 and out.kind != "inplace"]
+        widened = [i for i, s in enumerate(spec.inputs) if s.dtype is not None]
         slots: dict[int, Sequence[torch.Tensor]] = {}  # "cat" outputs: each chunk's slice of the result
         for k in range(spec.chunks):
             start = k * spec.chunk
             length = min(spec.chunk, spec.units - start)
             chunk_args = [a if p is None else p[k] for a, p in zip(args, pieces)]
+            for i in widened:
+                chunk_args[i] = chunk_args[i].to(spec.inputs[i].dtype)
             chunk_args.extend(accumulators)
             outs = self._runner(length)(chunk_args)
             for i, out in combined:
                 if out.kind == "cat":
                     if i not in slots:
-                        results[i] = torch.empty_strided(out.shape, out.stride, dtype=outs[i].dtype, device=outs[i].device)
+                        results[i] = torch.empty_strided(out.shape, out.stride, dtype=out.dtype, device=outs[i].device)
                         slots[i] = results[i].split(spec.chunk * out.inner, out.dim)
                     slots[i][k].copy_(outs[i])
                 else:
@@ -435,10 +440,12 @@ class BodyModel:
     storages: tuple[tuple[int, int, int, bool], ...]  # (born at, dies after (-1: never), bytes, scales)
     steps: int
     work: tuple[OpWork, ...]
+    held: int = 0  # bytes per unit of length the loop holds beside the body (inputs it widens)
 
     @classmethod
-    def of(cls, body: torch.fx.GraphModule, scales: Callable[[str, int | None], bool], length: int) -> "BodyModel":
-        """``scales(name, index)``: the value of body node ``name`` (item ``index``) carries the index."""
+    def of(cls, body: torch.fx.GraphModule, scales: Callable[[str, int | None], bool], length: int, held: int = 0) -> "BodyModel":
+        """``scales(name, index)``: the value of body node ``name`` (item ``index``) carries the index;
+        ``held``: bytes per unit of length the loop holds beside the body."""
         graph = body_graph(body)
         am = AnalysisManager(graph)
         tensors, liveness = am.get(Tensors), am.get(Liveness)
@@ -456,7 +463,7 @@ class BodyModel:
             return any(scales(node.name, i) for i in items)
 
         work = tuple(op_work(n, node_scales) for n in body.graph.nodes if n.op == "call_function")
-        return cls(length, tuple(storages), len(liveness.order), work)
+        return cls(length, tuple(storages), len(liveness.order), work, held)
 
     def peak(self, length: int) -> int:
         born: dict[int, int] = {}
@@ -471,7 +478,7 @@ class BodyModel:
             live += born.get(index, 0)
             peak = max(peak, live)
             live -= dies.get(index, 0)
-        return peak
+        return peak + self.held * length
 
     def cost(self, length: int, rates: CostRates) -> float:
         factor = length / self.length

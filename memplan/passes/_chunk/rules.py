@@ -554,6 +554,9 @@ def _index_add(node: torch.fx.Node, st, is_zero) -> RuleResult:
         if _accumulates_into(node, base, sb):
             return Partial("inplace")
         return Barrier("index_add of sliced rows into a non-zero base")
+    if isinstance(si, Replicated) and isinstance(ss, Split) and ss.dim == dim and is_tensor(index):
+        if shape_of(index) == (shape_of(source)[dim],):
+            return Need(index, Split(0, ss.inner))  # the rows a chunk adds go with their indices
     if isinstance(si, Replicated):
         return _same_dim_all(node, st, [base, source], dim, None)
     return Barrier("index_add along the chunked dimension")
