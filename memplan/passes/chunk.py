@@ -549,6 +549,8 @@ def _recompute_closure(region, region_set, materialised, body) -> list[torch.fx.
     return [n for n in region if n in needed]
 
 
+_MAKES_VALUES = _RELABEL_FACTORIES | {"zeros_like", "ones_like", "empty_like", "full_like", "new_empty_strided",
+                                      "empty_strided", "scalar_tensor", "arange"}
 _REDUCTION_RATIO = 8  # see _with_saved: a saved value's op reads at least this many times what it returns
 
 
@@ -572,6 +574,8 @@ def _with_saved(graph: CapturedGraph, region: ChunkRegion, fraction: float) -> C
         # the result of a reduction: its op reads many times the bytes it returns, so keeping the
         # result saves much more recomputation than it costs memory
         op = a.args[0] if a.target is operator.getitem else a
+        if packet_name(op) in _MAKES_VALUES:
+            return False  # a factory reads no data: it is free to make again
         reads = sum(nbytes(x) for x in op.all_input_nodes)
         return (
             isinstance(states[a.name], Split)
@@ -1317,6 +1321,14 @@ def _walk_peak(tensors: Tensors, liveness: Liveness, sizes: Mapping[int, int]) -
     return peak
 
 
+def _units_in(body: torch.fx.GraphModule, region: ChunkRegion) -> int | None:
+    """How many units of ``region``'s index ``body`` has (its sources' sizes), None when a source is
+    missing."""
+    by_name = {n.name: n for n in body.graph.nodes}
+    units = {shape_of(by_name[name])[s.dim] // s.inner for name, s in region.sources if name in by_name}
+    return units.pop() if len(units) == 1 and len(region.sources) == sum(1 for n, _ in region.sources if n in by_name) else None
+
+
 def _nested_variant(swap, finest: Candidate, options: ChunkOptions, policy, base_cost: float) -> ChunkRegion | None:
     """When the index is used up (chunks of one unit), chunk the loop bodies along a second index.
 
@@ -1325,8 +1337,9 @@ def _nested_variant(swap, finest: Candidate, options: ChunkOptions, policy, base
     allowance, shared by the loops tried and converted into the body's own terms (an extra fraction
     ``x`` of a loop costs ``x * loop cost`` seconds, which must fit in the rest of ``max_overhead *
     base_cost``); with a budget, the budget less what the rest of the graph holds. The plan is made on
-    the full-length body and reused for the shorter last chunk's body (the second index is the same
-    in both). The nested candidate is then priced whole, so the policy still has the last word."""
+    the full-length body and reused for the shorter last chunk's body when it chunks another index
+    than the outer one (that index has the same size in both); otherwise the short body gets its own
+    plan. The nested candidate is then priced whole, so the policy still has the last word."""
     region = finest.plan
     inner_options = dataclasses.replace(options, nest=False, regions=1)
     tried = [(kind, loop) for kind, (_node, loop) in zip(("forward", "backward"), swap)
@@ -1341,8 +1354,19 @@ def _nested_variant(swap, finest: Candidate, options: ChunkOptions, policy, base
         else:
             inner_policy = Policy(budget=max(1, policy.budget - (finest.peak - loop.spec.scratch)), max_overhead=policy.max_overhead)
         plan, _ = _plan(body_graph(loop.bodies[str(region.chunk)]), inner_policy, inner_options)
-        if plan.regions:
-            plans.extend((kind, int(length), plan) for length in loop.bodies)
+        if not plan.regions:
+            continue
+        plans.append((kind, region.chunk, plan))
+        for length in loop.bodies:
+            if int(length) == region.chunk:
+                continue
+            # the shorter last chunk: the same plan when it chunks another index, else its own
+            if all(r.units == _units_in(loop.bodies[length], r) for r in plan.regions):
+                plans.append((kind, int(length), plan))
+            else:
+                short, _ = _plan(body_graph(loop.bodies[length]), inner_policy, inner_options)
+                if short.regions:
+                    plans.append((kind, int(length), short))
     return dataclasses.replace(region, inner=tuple(plans)) if plans else None
 
 

@@ -1,6 +1,7 @@
 """The chunk pass: same outputs and gradients, a golden loop body, a lower peak, random-graph invariants."""
 
 import dataclasses
+import operator
 
 import pytest
 import torch
@@ -370,3 +371,55 @@ def test_pruning_bounds_never_exceed_what_is_built(name, model, inputs):
             for c in candidates:
                 assert peak_bound <= c.peak, c.label
                 assert overhead_bound <= c.overhead + 1e-9, c.label
+
+
+# ----------------------------------------------------------------------------------------------
+# loop bodies: cheap values computed again where they are read late, narrow saved indices, no
+# layout copy of a loop output already in its leaf's layout
+
+
+def test_body_recomputes_a_cheap_value_read_late_and_holds_less():
+    from memplan.passes._chunk.graphs import fake_mode_of
+    from memplan.passes._chunk.loops import AGAIN, body_graph, rematerialise_cheap
+
+    def f(x):
+        u = x.exp()
+        v = u.clamp(min=0.5)  # read early (by the product) and late (by the last line)
+        big = (v @ v.t()).tanh().sum()
+        return (big + (v * u).sum(),)
+
+    x = torch.randn(64, 64)
+    gm = torch.fx.experimental.proxy_tensor.make_fx(f, tracing_mode="fake")(x)
+    reference = torch.fx.experimental.proxy_tensor.make_fx(f)(x)
+    before = AnalysisManager(body_graph(gm)).get(PeakSimulation).peak
+    assert rematerialise_cheap(gm.graph, fake_mode_of(gm.graph)) == 1  # (c) one value, once
+    gm.recompile()
+    assert any(n.name.endswith(AGAIN) for n in gm.graph.nodes)
+    assert AnalysisManager(body_graph(gm)).get(PeakSimulation).peak < before
+    torch.testing.assert_close(gm(x)[0], reference(x)[0])
+
+
+def test_saved_indices_are_stored_narrow_and_factories_never_saved():
+    # chain_product's saved variant keeps the maxima and their indices (over 48 states: uint8), never
+    # the zero padding block (a factory: free to make again)
+    w = examples.make("chain_product")
+    opt = memplan.optimize(w.model, passes="rewrite,chunk")
+    assert_equivalent(w.model, opt, *w.inputs, **TOL)
+    (chunk_record,) = [r for r in opt.plan.records if r.name == "chunk"]
+    saved = [name for region in chunk_record.plan.regions for name in region.saved]
+    assert saved and not any(name.startswith(("new_zeros", "zeros")) for name in saved)
+    dtypes = [out.dtype for m in opt.plan.graph.gm.modules() if isinstance(m, ChunkLoop) for out in m.spec.outputs]
+    assert torch.uint8 in dtypes and torch.int64 not in dtypes
+
+
+def test_maxsim_gradient_is_not_copied_into_its_layout_and_the_ruler_agrees():
+    w = examples.make("maxsim")
+    opt = memplan.optimize(w.model, passes="rewrite,chunk")
+    step = step_fn(opt, w.inputs, train=True)
+    step()
+    graph = opt.plan.graph.gm.graph
+    loop_items = {n for n in graph.nodes if n.target is operator.getitem and n.args[0].op == "call_module"}
+    assert not [n for n in graph.nodes if packet_name(n) == "copy_" and n.args[1] in loop_items]
+    measured = measure(step).peak
+    assert measured * 20 < measure(step_fn(w.model, w.inputs, train=True)).peak
+    assert abs(measured - opt.plan.planned_peak) <= 0.05 * opt.plan.planned_peak
