@@ -777,6 +777,11 @@ def _rename_placeholders(
     gm.recompile()
 
 
+# What make_fx records on a node besides ``val`` and ``seq_nr``: the aten operator (a copy of the target)
+# and fx's ShapeProp summary (the same facts as ``val``).
+_UNREAD_META = ("original_aten", "tensor_meta")
+
+
 def _build_captured(
     gm: torch.fx.GraphModule,
     *,
@@ -796,9 +801,13 @@ def _build_captured(
 ) -> CapturedGraph:
     # A backward op may return None for a gradient nobody needs (e.g. convolution_backward's
     # output_mask); make_fx records no value for the getitem reading it. Its value is None.
+    # make_fx also records a copy of the node's operator and a summary of its value, which nothing
+    # reads: dropped, they no longer weigh on every garbage collection and graph copy.
     for node in gm.graph.nodes:
         if node.op == "call_function" and "val" not in node.meta:
             node.meta["val"] = None
+        for key in _UNREAD_META:
+            node.meta.pop(key, None)
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     kinds = ["parameter"] * len(param_names) + ["buffer"] * len(buffer_names) + ["input"] * n_user
