@@ -10,18 +10,19 @@ runs them, and a forward value used by a backward node is exactly a tensor autog
 Stages
 ------
 (1) Check and flatten the inputs: tensors only (nested in tuples, lists, dicts); no sparse tensors.
-(2) Build a flat function over ``parameters, buffers, user leaves[, tangents]`` that calls the model
-    through ``torch.func.functional_call``, so parameters and buffers are graph inputs, not copies.
+(2) Build a flat function over ``parameters, buffers, user leaves`` that calls the model through
+    ``torch.func.functional_call``, so parameters and buffers are graph inputs, not copies.
 (3) In training mode, run backward inside the traced function: ``loss = sum(out.sum())`` (the
     ``"sum"`` seed, what ``model(x).sum().backward()`` does) or ``autograd.backward(outs, tangents)``
-    (the ``"tangents"`` seed, used when memplan emits its own backward). The last node traced before
+    (the ``"tangents"`` seed, used when memplan emits its own backward; the tangents become graph
+    inputs, after the others, once the forward has made the outputs). The last node traced before
     backward starts marks the forward/backward boundary. Gradients are returned in their leaves'
     layouts: where autograd would copy one (AccumulateGrad's layout contract), in the trace or in a
     run whose tangent is a broadcast scalar, the graph makes the copy, so the plan accounts for it.
 (4) Trace with ``make_fx(tracing_mode="fake")`` under a dispatch mode that records each forward op's
     user line and when Python releases each storage; turn data-dependent
     control flow into :class:`~memplan.errors.CaptureError` naming the user's line.
-(5) Read what fx recorded (``val``, ``stack_trace``, ``seq_nr``) once, into a frozen
+(5) Read what fx recorded (``val``, ``seq_nr``) and what the recorder saw once, into a frozen
     :class:`CapturedGraph` keyed by node name. Nothing later reads ``node.meta`` for decisions
     except the fake value of a node (``node.meta["val"]``), which is fx's own shape record.
 
