@@ -1232,14 +1232,17 @@ def _variants(graph: CapturedGraph, region: ChunkRegion, options: ChunkOptions) 
 
 
 def _evaluate(graph: CapturedGraph, region: ChunkRegion, sizes: list[int], base_cost: float,
-              options: ChunkOptions, policy) -> list[Candidate]:
+              options: ChunkOptions, policy, finals: dict | None = None) -> list[Candidate]:
     """Build the variant once, then simulate the peak and estimate the extra compute for each chunk
     size, from few chunks to many; stop once the policy cannot want more chunks (the overhead is far
     beyond ``max_overhead``, or the peak fits the budget).
 
     Sizes differ only in the loops' bodies and scratch, so the graph's analyses are computed once and
     each size re-runs the peak walk with the loops' scratch sizes (see :func:`_walk_peak`).
+    ``finals`` receives, per candidate plan, a function that finishes the graph built here for it
+    (the chosen candidate is not built twice).
     """
+    finals = {} if finals is None else finals
     try:
         applied = _apply_region(graph, dataclasses.replace(region, chunk=sizes[0]), compile=False)
     except (RuntimeError, ValueError, TypeError, IndexError):
@@ -1269,14 +1272,16 @@ def _evaluate(graph: CapturedGraph, region: ChunkRegion, sizes: list[int], base_
         variant = dataclasses.replace(region, chunk=size)
         label = f"{region.label}: {variant.chunks} chunks" + (f", {len(region.saved)} saved" if region.saved else "")
         candidates.append(Candidate(variant, peak, overhead, label))
+        finals[variant] = lambda size=size: _finish_at(applied, size)
         # The overhead is not monotone in the chunk count (chunks that fit in cache run faster), so
         # only a hopeless overhead stops the ladder; under a budget the first fit stops it.
         hopeless = policy.budget is None and overhead > _hopeless(policy)
         if hopeless or policy.budget is not None and peak <= policy.budget:
             stopped = True
             break
-    if options.nest and candidates and not stopped:
-        finest = candidates[-1]
+    within = policy.budget is not None or (candidates and candidates[-1].overhead < policy.max_overhead)
+    if options.nest and candidates and not stopped and within:
+        finest = candidates[-1]  # nesting only adds overhead: not when the finest is already over
         try:
             swap = applied.loops_for(finest.plan.chunk)
         except (RuntimeError, ValueError, TypeError, IndexError):
@@ -1290,6 +1295,7 @@ def _evaluate(graph: CapturedGraph, region: ChunkRegion, sizes: list[int], base_
             peak = AnalysisManager(new).get(PeakSimulation).peak
             overhead = max(0.0, graph_cost(new, options.rates) / base_cost - 1.0) if base_cost > 0 else 0.0
             candidates.append(Candidate(nested, peak, overhead, f"{region.label}: {nested.chunks} chunks, nested"))
+            finals[nested] = lambda new=new: _finished(new)
     return candidates
 
 
@@ -1298,6 +1304,22 @@ def _hopeless(policy: Policy) -> float:
     twice the allowance plus 0.2 (margin for the cost model's error and for overhead that falls again
     when chunks start to fit in cache)."""
     return 2.0 * policy.max_overhead + 0.2
+
+
+def _finish_at(applied: _Applied, size: int) -> CapturedGraph:
+    """The graph ``applied`` built, with the loops of chunk size ``size`` behind its loop nodes, compiled."""
+    gm = applied.graph.gm
+    for node, loop in applied.loops_for(size):
+        setattr(gm, node.target, loop)
+        *public, scratch = node.meta["val"]
+        with scratch.fake_mode:
+            node.meta["val"] = (*public, torch.empty(loop.spec.scratch, dtype=torch.uint8, device=scratch.device))
+    return _finished(applied.graph)
+
+
+def _finished(graph: CapturedGraph) -> CapturedGraph:
+    finish_module(graph.gm)
+    return graph
 
 
 def _walk_peak(tensors: Tensors, liveness: Liveness, sizes: Mapping[int, int]) -> int:
@@ -1400,6 +1422,7 @@ def _plan(
         base_peak = am.get(PeakSimulation).peak
         base_cost = graph_cost(current, opts.rates)
         candidates: list[Candidate] = [Candidate(None, base_peak, 0.0, "unchunked")]
+        finals: dict[ChunkRegion, Callable[[], CapturedGraph]] = {}
         over_budget = policy.budget is not None and base_peak > policy.budget
         worth = base_peak if over_budget else (1.0 - opts.min_gain) * base_peak
         tensors, liveness = am.get(Tensors), am.get(Liveness)
@@ -1412,7 +1435,7 @@ def _plan(
                 fewest = -(-region.units // sizes[0])
                 if policy.budget is None and _overhead_bound(current, variant, opts.rates, fewest) > policy.max_overhead * base_cost:
                     continue
-                candidates.extend(_evaluate(current, variant, sizes, base_cost, opts, policy))
+                candidates.extend(_evaluate(current, variant, sizes, base_cost, opts, policy, finals))
         try:
             best = policy.choose(candidates)
         except InfeasibleBudgetError:
@@ -1420,7 +1443,7 @@ def _plan(
         if best.plan is None or (best.peak > (1.0 - opts.min_gain) * base_peak and not over_budget):
             break
         chosen.append(best.plan)
-        current = apply_region(current, best.plan)
+        current = finals[best.plan]() if best.plan in finals else apply_region(current, best.plan)
         am = AnalysisManager(current)
     return ChunkPlan(tuple(chosen)), current
 
