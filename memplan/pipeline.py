@@ -29,11 +29,12 @@ import torch.fx
 
 from memplan.analysis.liveness import Liveness
 from memplan.analysis.manager import AnalysisManager
-from memplan.analysis.peak import PeakSimulation
+from memplan.analysis.peak import PeakSimulation, step_margin
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph, InputSpec, OutputSpec, Phase, SourceLine
-from memplan.errors import PassError
-from memplan.graphutil import is_pure_view, mutated_args
+from memplan.errors import InfeasibleBudgetError, PassError
+from memplan.graphutil import copy_graph, is_pure_view, mutated_args
+from memplan.measure import format_bytes
 from memplan.policy import Policy
 
 T = TypeVar("T")
@@ -304,6 +305,33 @@ class PassManager:
         return ",".join(self.passes)
 
     def run(self, graph: CapturedGraph) -> PipelineResult:
+        """Run the passes on ``graph`` (edited in place) and return the last graph with a record per pass.
+
+        With a budget, the passes first run with ``when_over="overhead"``: a pass that cannot reach the
+        budget alone chooses as without one, since a later pass may reach it. If the pipeline's plan still
+        misses the budget, it runs again on the captured graph with ``when_over="lowest"``, and if even
+        that misses, :class:`~memplan.errors.InfeasibleBudgetError` names the smallest peak reached.
+        """
+        budget = self.policy.budget
+        if budget is None or self.policy.when_over != "raise":
+            return self._run(graph, self.policy)
+        spare = copy_graph(graph)
+        first = self._run(graph, dataclasses.replace(self.policy, when_over="overhead"))
+        reached = _step_peak(first.graph)
+        if reached <= budget:
+            return first
+        second = self._run(spare, dataclasses.replace(self.policy, when_over="lowest"))
+        lowest = _step_peak(second.graph)
+        if lowest <= budget:
+            return second
+        raise InfeasibleBudgetError(
+            f"no plan of the pipeline {','.join(self.passes) or '(empty)'} fits the budget of "
+            f"{format_bytes(budget)}: the smallest peak its plans reach is {format_bytes(min(reached, lowest))}. Fix: "
+            "raise the budget, lower the batch size, or enable more passes.",
+            smallest=min(reached, lowest),
+        )
+
+    def _run(self, graph: CapturedGraph, policy: Policy) -> PipelineResult:
         graph = dataclasses.replace(graph, lifetimes="graph")
         am = AnalysisManager(graph)
         baseline_hazards = mutation_hazards(graph, am)
@@ -312,7 +340,7 @@ class PassManager:
             if self.before_pass is not None:
                 self.before_pass(name, graph)
             peak_before = am.get(PeakSimulation).peak
-            ctx = PassContext(am=am, policy=self.policy, options=self.options)
+            ctx = PassContext(am=am, policy=policy, options=self.options)
             start = time.perf_counter()
             try:
                 result = _REGISTRY[name](graph, ctx)
@@ -353,6 +381,11 @@ class PassManager:
         else:
             message += " Pass reproducer_dir= to save a reproducer."
         return PassError(message)
+
+
+def _step_peak(graph: CapturedGraph) -> int:
+    """The predicted peak of a step running ``graph``, as budgets count it (with the step's loss scalars)."""
+    return AnalysisManager(graph).get(PeakSimulation).peak + (step_margin(graph) if graph.training else 0)
 
 
 # ----------------------------------------------------------------------------------------------

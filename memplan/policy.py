@@ -3,8 +3,11 @@
 A pass may produce several candidate plans (e.g. save more, recompute less). The policy picks:
 
 - with a ``budget``: the candidate with the least extra compute whose predicted peak fits the budget,
-  ties broken by lower peak; if none fits, :class:`~memplan.errors.InfeasibleBudgetError` names the
-  smallest reachable peak;
+  ties broken by lower peak; if none fits, what ``when_over`` says: ``"raise"``
+  :class:`~memplan.errors.InfeasibleBudgetError` naming the smallest reachable peak, ``"overhead"`` choose
+  as without a budget, ``"lowest"`` the lowest peak whatever it costs. A pipeline runs its passes with
+  ``"overhead"`` (a later pass may reach the budget), then with ``"lowest"``, and raises only when even
+  that misses the budget;
 - without one: the lowest predicted peak whose extra compute is at most ``max_overhead`` (a fraction of
   the original compute), ties broken by less overhead.
 
@@ -74,8 +77,11 @@ class Policy:
 
     budget: int | None = None
     max_overhead: float = 0.3
+    when_over: str = "raise"
 
     def __post_init__(self) -> None:
+        if self.when_over not in ("raise", "overhead", "lowest"):
+            raise ValueError(f"when_over must be 'raise', 'overhead' or 'lowest', not {self.when_over!r}")
         if self.budget is not None:
             object.__setattr__(self, "budget", parse_bytes(self.budget))
         if not self.max_overhead >= 0:
@@ -86,7 +92,11 @@ class Policy:
             raise ValueError("no candidate plans to choose from")
         if self.budget is not None:
             fitting = [c for c in candidates if c.peak <= self.budget]
-            if not fitting:
+            if fitting:
+                return min(fitting, key=lambda c: (c.overhead, c.peak, c.label))
+            if self.when_over == "lowest":
+                return min(candidates, key=lambda c: (c.peak, c.overhead, c.label))
+            if self.when_over == "raise":
                 best = min(candidates, key=lambda c: (c.peak, c.overhead))
                 raise InfeasibleBudgetError(
                     f"no plan fits the budget of {format_bytes(self.budget)}: the smallest reachable peak is "
@@ -95,6 +105,5 @@ class Policy:
                     smallest=best.peak,
                     holders=(best.label,) if best.label else (),
                 )
-            return min(fitting, key=lambda c: (c.overhead, c.peak, c.label))
         allowed = [c for c in candidates if c.overhead <= self.max_overhead] or [min(candidates, key=lambda c: c.overhead)]
         return min(allowed, key=lambda c: (c.peak, c.overhead, c.label))

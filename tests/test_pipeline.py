@@ -111,3 +111,26 @@ def test_records_and_instrumentation():
     (record,) = result.records
     assert record.name == "_test_identity" and not record.changed and record.peak_before == record.peak_after
     assert result.graph.lifetimes == "graph"
+
+
+def test_a_budget_that_only_a_later_pass_reaches_is_met_and_an_unreachable_one_names_the_lowest_peak():
+    from memplan.api import optimize
+    from memplan.errors import InfeasibleBudgetError
+    from memplan.examples.latent_gru import LatentGRU
+    from memplan.measure import measure
+    from memplan.steps import step_fn
+
+    torch.manual_seed(0)
+    model, inputs = LatentGRU(8, 16), (torch.randn(12, 4, 8, requires_grad=True), torch.zeros(4, 16))
+    eager = measure(step_fn(model, inputs, train=True)).peak
+    # chunk runs first and cannot reach it; remat can
+    budget = eager * 3 // 5
+    opt = optimize(model, passes="chunk,remat,inplace", budget=budget)
+    step = step_fn(opt, inputs, train=True)
+    step()
+    assert measure(step).peak <= budget
+    lowest = optimize(model, passes="chunk,remat,inplace", budget=1)
+    with pytest.raises(InfeasibleBudgetError) as caught:
+        lowest(*inputs)
+    assert 0 < caught.value.smallest <= budget
+    assert "smallest peak its plans reach" in str(caught.value)

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from memplan.analysis.liveness import Liveness
 from memplan.analysis.manager import Analysis, AnalysisManager
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph
 
-__all__ = ["SimEvent", "PeakSimulation"]
+__all__ = ["SimEvent", "PeakSimulation", "step_margin"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,3 +93,29 @@ class PeakSimulation(Analysis):
 
 def _op_str(node) -> str:
     return str(node.target)
+
+
+def step_margin(graph: CapturedGraph) -> int:
+    """Bytes a training step allocates outside the captured graph: its loss and the loss's gradient.
+
+    The graph takes the gradients of its outputs as inputs (tangents). A step such as
+    ``memplan.steps.step_fn`` (``sum(out.sum()).backward()``) also allocates, during the call, each
+    output's ``sum`` and the seed gradient that ``backward`` expands to the output's shape (one element
+    each). Budgets are bytes allocated during a step as ``memplan.measure`` reports them, so candidates
+    are compared with the budget including these. A user whose loss allocates more (a cross-entropy
+    over the outputs outside the model) should leave that much room in the budget.
+
+    Examples
+    --------
+    >>> import torch, dataclasses
+    >>> from memplan.capture import capture
+    >>> step_margin(capture(torch.nn.Linear(4, 4), torch.randn(2, 4), seed="tangents"))
+    8
+    """
+    margin = 0
+    for spec in graph.inputs:
+        if spec.kind == "tangent":
+            value = graph.node(spec.node).meta.get("val")
+            if isinstance(value, torch.Tensor):
+                margin += 2 * value.element_size()
+    return margin

@@ -105,7 +105,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memplan.analysis.manager import AnalysisManager
-from memplan.analysis.peak import PeakSimulation
+from memplan.analysis.peak import PeakSimulation, step_margin
 from memplan.analysis.tensors import Tensors, tensor_values
 from memplan.capture import CapturedGraph, Phase
 from memplan.graphutil import GraphEditor, fake_value, is_random, mutated_args, packet_name
@@ -1288,32 +1288,6 @@ def _ban_sets(facts: RematFacts, exhaustive: int) -> list[tuple[str, frozenset[s
 
 # ----------------------------------------------------------------------------------------------
 # Step 5: candidates, simulated without building them
-
-
-def step_margin(graph: CapturedGraph) -> int:
-    """Bytes a training step allocates outside the captured graph: its loss and the loss's gradient.
-
-    The graph takes the gradients of its outputs as inputs (tangents). A step such as
-    ``memplan.steps.step_fn`` (``sum(out.sum()).backward()``) also allocates, during the call, each
-    output's ``sum`` and the seed gradient that ``backward`` expands to the output's shape (one element
-    each). Budgets are bytes allocated during a step as ``memplan.measure`` reports them, so candidates
-    are compared with the budget including these. A user whose loss allocates more (a cross-entropy
-    over the outputs outside the model) should leave that much room in the budget.
-
-    Examples
-    --------
-    >>> import torch, dataclasses
-    >>> from memplan.capture import capture
-    >>> step_margin(capture(torch.nn.Linear(4, 4), torch.randn(2, 4), seed="tangents"))
-    8
-    """
-    margin = 0
-    for spec in graph.inputs:
-        if spec.kind == "tangent":
-            value = graph.node(spec.node).meta.get("val")
-            if isinstance(value, torch.Tensor):
-                margin += 2 * value.element_size()
-    return margin
 
 
 class VirtualSimulation:

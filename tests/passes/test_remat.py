@@ -246,7 +246,7 @@ def test_too_small_a_budget_names_the_smallest_peak():
     error = caught.value if isinstance(caught.value, InfeasibleBudgetError) else caught.value.__cause__
     assert isinstance(error, InfeasibleBudgetError)
     assert error.smallest == smallest
-    assert "smallest reachable peak" in str(error)
+    assert "smallest peak its plans reach" in str(error)
 
 
 def test_options_come_from_the_context_and_unknown_ones_are_errors():
