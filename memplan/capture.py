@@ -164,17 +164,26 @@ class CapturedGraph:
     seed: str
     released_after: Mapping[str, str] = dataclasses.field(default_factory=dict)
     lifetimes: str = "eager"
+    _by_name: dict[str, torch.fx.Node] = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def graph(self) -> torch.fx.Graph:
         return self.gm.graph
 
     def node(self, name: str) -> torch.fx.Node:
-        """The node called ``name`` (names are stable and unique)."""
-        for node in self.gm.graph.nodes:
-            if node.name == name:
-                return node
-        raise KeyError(f"no node named {name!r} in the captured graph")
+        """The node called ``name`` (names are stable and unique).
+
+        Looked up in a name table, rebuilt when it misses or holds a node since erased or renamed
+        (passes edit the graph in place), so looking up every node once is linear, not quadratic.
+        """
+        node = self._by_name.get(name)
+        if node is None or node._erased or node.name != name or node.graph is not self.gm.graph:
+            self._by_name.clear()
+            self._by_name.update((n.name, n) for n in self.gm.graph.nodes)
+            node = self._by_name.get(name)
+            if node is None:
+                raise KeyError(f"no node named {name!r} in the captured graph")
+        return node
 
     def input_spec(self, name: str) -> InputSpec | None:
         for spec in self.inputs:
