@@ -33,8 +33,9 @@ Stages
     backward body; the rest is hoisted (runs once, outside the loop). A backward op that mixes the
     index makes its forward op a barrier, and stage (2) runs again without it.
 (4) Recompute or save. Forward values the backward body reads are recomputed in the body (with their
-    ancestors in ``R`` up to materialised values), except, in one candidate variant, small ones
-    (integer indices, log-sum-exps) saved by the forward loop when that removes recomputation.
+    ancestors in ``R`` up to materialised values), except, in one candidate variant, small results of
+    reductions (maxima and their indices, log-sum-exps) saved by the forward loop when that removes
+    recomputation; saved indices travel in the narrowest integer type that holds them.
 (5) Candidates and policy. A region is first priced without building anything: a lower bound on
     its peak (the untouched graph's storages, less what the loops do not keep, with reads moved to
     the loops: :func:`_peak_bound`) and on its extra compute (a dispatch per op per extra chunk, the
@@ -52,7 +53,10 @@ Stages
     every chunk reads, e.g. an embedding table) add into one accumulator owned by the loop. The old
     nodes are erased and the graph re-sorted stably. A loop node's fake value carries a scratch tensor
     the size of its body's own peak, so the peak simulation sees the memory a chunk uses and agrees
-    with the ruler.
+    with the ruler. Bodies do as little as they can per chunk (:func:`build_body`): views that fold
+    away are not emitted, a cheap pointwise value the backward reads late is computed again there
+    (:func:`rematerialise_cheap`), and a loop output that capture's gradient-layout copy would copy
+    into its very own layout is not copied (:func:`_drop_layout_copy`).
 
 Preconditions
 -------------
@@ -83,7 +87,8 @@ What it leaves to other passes
 ------------------------------
 Rewriting a matmul whose broadcast or max makes its backward huge (``rewrite``, which should run
 first); saving versus recomputing outside regions (``remat``); reusing buffers, e.g. the copy of a
-gradient into its parameter's layout (``inplace``, ``arena``); ordering (``schedule``). It runs best
+gradient into its parameter's layout when the gradient is not a loop output (``inplace``,
+``arena``); ordering (``schedule``). It runs best
 before passes that move forward nodes into the backward, since it finds a region's backward by
 autograd sequence numbers.
 """
@@ -120,6 +125,7 @@ from memplan.passes._chunk.graphs import (
 from memplan.passes._chunk.loops import (
     AGAIN,
     BodyModel,
+    rematerialise_cheap,
     ChunkLoop,
     LoopInput,
     LoopOutput,
@@ -1403,8 +1409,8 @@ def plan_chunk(graph: CapturedGraph, policy, options: Mapping[str, Any] | None =
     >>> x, y = torch.randn(64, 16), torch.randn(48, 16)
     >>> g = capture(lambda a, b: (a[:, None, :] - b[None, :, :]).abs().sum(-1).amin(-1), x, y, train=False)
     >>> plan = plan_chunk(dataclasses.replace(g, lifetimes="graph"), Policy(max_overhead=10.0))
-    >>> plan.regions[0].units, plan.regions[0].chunks > 1  # the 48 rows of b, combined by min
-    (48, True)
+    >>> plan.regions[0].units, plan.regions[0].chunks > 1  # the 64 rows of a, concatenated
+    (64, True)
     """
     return _plan(graph, policy, options)[0]
 
