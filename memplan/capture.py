@@ -61,6 +61,7 @@ from torch.fx.experimental.proxy_tensor import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.errors import CaptureError, UnsupportedInputError
+from memplan.opschema import mutated_args
 
 __all__ = [
     "Phase",
@@ -665,27 +666,13 @@ def _restrided_values(graph: torch.fx.Graph, broadcast: list[torch.fx.Node]) -> 
     for node in graph.nodes:
         if node.op != "call_function" or not any(arg in changed for arg in node.all_input_nodes):
             continue
-        if any(arg not in changed for arg in _written_arguments(node)):
+        if any(arg not in changed for arg in mutated_args(node)):
             continue
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda arg: changed.get(arg, arg.meta.get("val")))
         value = node.target(*args, **kwargs)
         if _layout(value) != _layout(node.meta.get("val")):
             changed[node] = value
     return changed
-
-
-def _written_arguments(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The input nodes an op writes into (in-place and ``out=`` arguments)."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return []
-    written = []
-    for i, argument in enumerate(schema.arguments):
-        if argument.alias_info is not None and argument.alias_info.is_write:
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
-            if isinstance(value, torch.fx.Node):
-                written.append(value)
-    return written
 
 
 def _layout(value: Any) -> Any:

@@ -1,31 +1,22 @@
 """The concat pass: a cat/stack filled part by part, with equal outputs and gradients and a lower peak."""
 
-import dataclasses
-
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from memplan.analysis.manager import AnalysisManager
-from memplan.analysis.peak import PeakSimulation
 from memplan.api import optimize
 from memplan.capture import capture
 from memplan.measure import measure
 from memplan.pipeline import PassManager
 from memplan.steps import step_fn
-from memplan.testing import assert_equivalent, random_model
+from memplan.testing import assert_equivalent
 
-from tests.passes.test_inplace import stale_reads
+from tests.passes.test_inplace import check_random_program
 
 
 def run(graph, pipeline="concat"):
     return PassManager(pipeline).run(graph)
-
-
-def peak(graph):
-    return AnalysisManager(dataclasses.replace(graph, lifetimes="graph")).get(PeakSimulation).peak
 
 
 def ops(graph):
@@ -139,14 +130,4 @@ def test_strided_slices_keep_their_readers():
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), train=st.booleans())
 def test_random_programs_match_eager_never_rise_and_have_no_stale_read(seed, train):
-    model, inputs = random_model(seed, requires_grad_input=train)
-    graph = capture(model, *inputs, train=train, seed="tangents")
-    hazards, before = stale_reads(graph), peak(graph)
-    result = run(graph)
-    assert stale_reads(result.graph) <= hazards
-    assert peak(result.graph) <= before
-    if train:
-        assert_equivalent(model, optimize(model, passes="concat"), *inputs)
-    else:
-        with torch.no_grad():
-            assert_equivalent(model, optimize(model, passes="concat"), *inputs, grad=False)
+    check_random_program("concat", seed, train)
