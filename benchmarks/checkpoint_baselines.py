@@ -3,7 +3,7 @@
 The latent GRU of user report 003 unrolls a GRU-like cell in Python; autograd keeps every step for the
 backward. The usual hand fix is to wrap segments of ``k`` steps in ``torch.utils.checkpoint`` (always with
 ``use_reentrant=False``): only the hidden state between segments is kept, and each segment is recomputed
-in the backward. :class:`CheckpointedLatentGRU` is that fix, written against the example's own module (same
+in the backward. :class:`memplan.baselines.CheckpointedLatentGRU` is that fix, written against the example's own module (same
 parameters, same noise, same outputs and gradients). This script measures, side by side:
 
 * eager;
@@ -33,62 +33,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 import memplan
+from memplan.baselines import CheckpointedLatentGRU
 from memplan.capture import capture
 from memplan.examples.latent_gru import LatentGRU
 from memplan.measure import format_bytes, measure
 from memplan.steps import step_fn
 from memplan.testing import assert_equivalent
 
-__all__ = ["CheckpointedLatentGRU", "latent_gru", "main"]
-
-
-def _step(model: LatentGRU, hidden: torch.Tensor, x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-    """One step of :class:`~memplan.examples.latent_gru.LatentGRU`, op for op."""
-    stats = torch.mm(hidden, model.W_enc)
-    mean, log_var = stats.chunk(2, dim=1)
-    latent = mean + eps * torch.exp(0.5 * log_var)
-    x_gates = torch.mm(x, model.W_ih)
-    z_gates = torch.mm(latent, model.W_zh)
-    x_reset, x_update, x_new = x_gates.chunk(3, dim=1)
-    z_reset, z_update, z_new = z_gates.chunk(3, dim=1)
-    update = torch.sigmoid(x_update + z_update)
-    reset = torch.sigmoid(x_reset + z_reset)
-    candidate = torch.tanh(x_new + reset * z_new)
-    return candidate + update * (hidden - candidate)
-
-
-class CheckpointedLatentGRU(nn.Module):
-    """The latent GRU with every ``segment`` steps wrapped in ``torch.utils.checkpoint(use_reentrant=False)``.
-
-    The noise is drawn once before the loop, as the original draws it, so both consume the RNG alike; the
-    checkpointed segments read it, never redraw it.
-    """
-
-    def __init__(self, model: LatentGRU, segment: int):
-        super().__init__()
-        self.model = model
-        self.segment = segment
-
-    def _segment(self, hidden: torch.Tensor, xs: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        outputs = []
-        for x, eps in zip(xs.unbind(0), noise.unbind(0)):
-            hidden = _step(self.model, hidden, x, eps)
-            outputs.append(hidden)
-        return torch.stack(outputs), hidden
-
-    def forward(self, input_seq: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        seq_len, batch, _ = input_seq.shape
-        noise = torch.randn(seq_len, batch, self.model.hidden_size, device=input_seq.device, dtype=input_seq.dtype)
-        outputs = []
-        for first in range(0, seq_len, self.segment):
-            last = min(first + self.segment, seq_len)
-            out, hidden = checkpoint(self._segment, hidden, input_seq[first:last], noise[first:last],
-                                     use_reentrant=False)
-            outputs.append(out)
-        return torch.cat(outputs), hidden
+__all__ = ["latent_gru", "main"]
 
 
 def latent_gru(steps: int, batch: int, hidden: int, inputs: int, seed: int = 0) -> tuple[LatentGRU, tuple]:

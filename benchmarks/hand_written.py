@@ -1,16 +1,7 @@
-"""The best hand-written versions of the workloads, side by side with eager and memplan.
+"""The best hand-written versions of the workloads (``memplan.baselines``), side by side with eager and memplan.
 
-Each hand-written model wraps the example's own module (same parameters, same outputs and
-gradients) and is what a careful user would write after reading the user report's thread:
-
-* ``broadcast_matmul`` (report 001): ``einsum`` with the head dimension as the batch of one ``bmm``
-  (the fix the report's thread arrives at).
-* ``maxsim`` (report 002): a loop over chunks of ``a``'s sequences, each chunk checkpointed
-  (the thread's "checkpoint before einsum, then einsum per chunk" proposal).
-* ``chain_product`` (report 000): the batch split into chunks, each chunk's tree product
-  checkpointed (micro-batching with recomputation).
-* ``seq2seq`` (report 004): the generator and loss run over shards of time steps, each shard
-  checkpointed (OpenNMT-py's ``max_generator_batches``).
+Unlike ``memplan bench``, this script can time memplan with another pipeline, budget or overhead
+allowance against the same baselines.
 
 Run ``python benchmarks/hand_written.py [workload ...] [--size small|full] [--repeats N]`` to print
 peak bytes (``memplan.measure`` on ``memplan.steps.step_fn(model, inputs, train=True)``) and step
@@ -26,99 +17,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 import memplan
 import memplan.examples as examples
+from memplan.baselines import BASELINES, hand_written
 from memplan.measure import format_bytes, measure
 from memplan.steps import step_fn
 from memplan.testing import assert_equivalent
 
-__all__ = ["EinsumHeadMatmul", "ChunkedMaxSim", "ChunkedChainProduct", "ShardedGeneratorSeq2Seq", "hand_written", "main"]
-
-
-class EinsumHeadMatmul(nn.Module):
-    """Report 001, hand-written: ``einsum('bhd,hde->bhe')``, one bmm over heads, no copy of ``W``."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        m = self.model
-        out = torch.einsum("bhd,hde->bhe", x.view(x.shape[0], m.heads, m.dim), m.W)
-        return out.reshape(x.shape[0], m.heads * m.dim)
-
-
-class ChunkedMaxSim(nn.Module):
-    """Report 002, hand-written: ``a``'s sequences in chunks of ``chunk``, each chunk checkpointed."""
-
-    def __init__(self, model: nn.Module, chunk: int = 1):
-        super().__init__()
-        self.model = model
-        self.chunk = chunk
-
-    @staticmethod
-    def _scores(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("ijk,mnk->ijmn", a, b).max(dim=-1).values.sum(dim=1)
-
-    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        parts = [checkpoint(self._scores, a[i : i + self.chunk], b, use_reentrant=False) for i in range(0, a.shape[0], self.chunk)]
-        return self.model.scale * torch.cat(parts)
-
-
-class ChunkedChainProduct(nn.Module):
-    """Report 000, hand-written: the batch in chunks of ``chunk``, each chunk's product checkpointed."""
-
-    def __init__(self, model: nn.Module, chunk: int = 2):
-        super().__init__()
-        self.model = model
-        self.chunk = chunk
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        parts = [checkpoint(self.model, x[i : i + self.chunk], use_reentrant=False) for i in range(0, x.shape[0], self.chunk)]
-        return torch.cat(parts)
-
-
-class ShardedGeneratorSeq2Seq(nn.Module):
-    """Report 004, hand-written: the generator and NLL over shards of ``shard`` time steps, each
-    checkpointed; the shards' summed losses are divided by the number of target tokens (the NLL mean)."""
-
-    def __init__(self, model: nn.Module, shard: int = 4):
-        super().__init__()
-        self.model = model
-        self.shard = shard
-
-    def _loss_sum(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        log_probs = F.log_softmax(self.model.generator(out), dim=-1)
-        return F.nll_loss(log_probs.reshape(-1, log_probs.shape[-1]), target.reshape(-1), reduction="sum")
-
-    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-        m = self.model
-        memory_bank, final_h, final_c = m._encode(src)
-        h, c = m._bridge(final_h, final_c)
-        decoder_out = m._decode(tgt[:-1], memory_bank, h, c)
-        target = tgt[1:]
-        total = sum(
-            checkpoint(self._loss_sum, decoder_out[t : t + self.shard], target[t : t + self.shard], use_reentrant=False)
-            for t in range(0, decoder_out.shape[0], self.shard)
-        )
-        return total / target.numel()
-
-
-_HAND: dict[str, Callable[[nn.Module], nn.Module]] = {
-    "broadcast_matmul": EinsumHeadMatmul,
-    "maxsim": ChunkedMaxSim,
-    "chain_product": ChunkedChainProduct,
-    "seq2seq": ShardedGeneratorSeq2Seq,
-}
-
-
-def hand_written(name: str, model: nn.Module) -> nn.Module:
-    """The hand-written version of workload ``name`` around ``model`` (same parameters)."""
-    return _HAND[name](model)
+__all__ = ["compare", "main"]
 
 
 def _best_time(fn: Callable[[], Any], repeats: int) -> float:
@@ -161,7 +68,7 @@ def compare(name: str, *, size: str = "small", passes: str = "rewrite,chunk", re
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("workloads", nargs="*", default=list(_HAND))
+    parser.add_argument("workloads", nargs="*", default=[n for n in BASELINES if n != "latent_gru"])
     parser.add_argument("--size", default="small", choices=("small", "full"))
     parser.add_argument("--passes", default="rewrite,chunk")
     parser.add_argument("--repeats", type=int, default=5)

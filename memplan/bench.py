@@ -40,6 +40,9 @@ class BenchRow:
     optimized: int | None = None  # peak of memplan.optimize(model, passes=pipeline), bytes (the ruler)
     planned: int | None = None  # the plan's predicted peak
     optimized_seconds: float | None = None  # median step time, timed interleaved with eager
+    baseline: str = ""  # the hand-written fix (memplan.baselines), training rows only
+    baseline_peak: int | None = None  # its peak, bytes (the ruler)
+    baseline_seconds: float | None = None  # its median step time, timed interleaved with eager
 
     @property
     def prediction_ratio(self) -> float:
@@ -58,11 +61,26 @@ class BenchRow:
             return None
         return self.optimized_seconds / self.eager_seconds if self.eager_seconds else float("nan")
 
+    @property
+    def baseline_reduction(self) -> float | None:
+        """How many times lower the hand-written fix's peak is (eager / hand-written)."""
+        if self.baseline_peak is None:
+            return None
+        return self.measured / self.baseline_peak if self.baseline_peak else float("inf")
+
+    @property
+    def baseline_time_ratio(self) -> float | None:
+        if self.baseline_seconds is None:
+            return None
+        return self.baseline_seconds / self.eager_seconds if self.eager_seconds else float("nan")
+
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["prediction_ratio"] = self.prediction_ratio
         out["reduction"] = self.reduction
         out["time_ratio"] = self.time_ratio
+        out["baseline_reduction"] = self.baseline_reduction
+        out["baseline_time_ratio"] = self.baseline_time_ratio
         return out
 
 
@@ -83,6 +101,7 @@ class BenchResult:
         from rich.table import Table
 
         optimized = any(row.optimized is not None for row in self.rows)
+        baselines = any(row.baseline_peak is not None for row in self.rows)
         pipeline = next((row.pipeline for row in self.rows if row.optimized is not None), "")
         title = f"memplan bench on {self.device_name} (torch {self.torch_version})"
         if optimized:
@@ -91,6 +110,8 @@ class BenchResult:
         columns = ["workload", "mode", "eager peak", "predicted", "pred/meas"]
         if optimized:
             columns += ["memplan peak", "x lower", "time ratio"]
+        if baselines:
+            columns += ["hand-written peak", "x lower ", "hand time"]
         columns += ["plan s", "eager ms"]
         for column in columns:
             table.add_column(column, justify="left" if column in ("workload", "mode") else "right")
@@ -103,8 +124,18 @@ class BenchResult:
                     cells += ["-", "-", "-"]
                 else:
                     cells += [format_bytes(row.optimized), f"{row.reduction:.2f}x", f"{row.time_ratio:.2f}"]
+            if baselines:
+                if row.baseline_peak is None:
+                    cells += ["-", "-", "-"]
+                else:
+                    cells += [format_bytes(row.baseline_peak), f"{row.baseline_reduction:.2f}x", f"{row.baseline_time_ratio:.2f}"]
             cells += [f"{row.plan_seconds:.2f}", f"{row.eager_seconds * 1e3:.1f}"]
             table.add_row(*cells)
+        if baselines:
+            table.caption = "hand-written: " + "; ".join(
+                f"{row.workload}: {row.baseline}" for row in self.rows if row.baseline_peak is not None
+            )
+            table.caption_justify = "left"
         return table
 
 
@@ -141,14 +172,18 @@ def run_bench(
     modes: Iterable[str] = ("train", "infer"),
     repeats: int = 5,
     passes: str | None = None,
+    baselines: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> BenchResult:
     """Run the bench and return its rows (rendering is the caller's business).
 
     ``passes``: None measures eager only; a pipeline string (``""`` for the empty one, ``"default"`` for
-    memplan's default) also runs ``memplan.optimize(model, passes=...)`` side by side.
+    memplan's default) also runs ``memplan.optimize(model, passes=...)`` side by side. ``baselines``:
+    training rows also run the workload's hand-written fix (:mod:`memplan.baselines`), timed interleaved
+    with the others.
     """
     from memplan.api import DEFAULT_PIPELINE, optimize
+    from memplan.baselines import BASELINES, hand_written
 
     if passes == "default":
         passes = ",".join(DEFAULT_PIPELINE)
@@ -170,21 +205,28 @@ def run_bench(
                 workload=name, mode=mode, size=size, device=str(dev), measured=measured, predicted=predicted,
                 plan_seconds=plan_seconds, eager_seconds=0.0,
             )
-            if passes is None:
-                (eager_seconds,) = interleaved_medians([step], repeats, dev)
-                row = dataclasses.replace(row, eager_seconds=eager_seconds)
-            else:
+            timed = [step]
+            if passes is not None:
                 opt = optimize(workload.model, passes=passes)
                 opt_step = step_fn(opt, workload.inputs, train=train)
                 start = time.perf_counter()
                 opt_step()  # plans on the first call
                 plan_seconds = time.perf_counter() - start
-                optimized = measure(opt_step).peak
-                eager_seconds, optimized_seconds = interleaved_medians([step, opt_step], repeats, dev)
                 row = dataclasses.replace(
-                    row, eager_seconds=eager_seconds, pipeline=passes, optimized=optimized,
-                    planned=opt.plan.planned_peak if opt.plan is not None else None,
-                    optimized_seconds=optimized_seconds, plan_seconds=plan_seconds,
+                    row, pipeline=passes, optimized=measure(opt_step).peak,
+                    planned=opt.plan.planned_peak if opt.plan is not None else None, plan_seconds=plan_seconds,
                 )
+                timed.append(opt_step)
+            if baselines and train and name in BASELINES:
+                base_step = step_fn(hand_written(name, workload.model), workload.inputs, train=train)
+                base_step()
+                row = dataclasses.replace(row, baseline=BASELINES[name][0], baseline_peak=measure(base_step).peak)
+                timed.append(base_step)
+            seconds = iter(interleaved_medians(timed, repeats, dev))
+            row = dataclasses.replace(row, eager_seconds=next(seconds))
+            if passes is not None:
+                row = dataclasses.replace(row, optimized_seconds=next(seconds))
+            if row.baseline_peak is not None:
+                row = dataclasses.replace(row, baseline_seconds=next(seconds))
             rows.append(row)
     return BenchResult(tuple(rows), torch.__version__, device_name(dev))

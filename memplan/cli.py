@@ -40,7 +40,8 @@ def _bench(args: argparse.Namespace) -> int:
 
         passes = None if args.eager_only else args.passes
         result = run_bench(
-            names, size=args.size, device=args.device, modes=modes, repeats=args.repeats, passes=passes, progress=advance
+            names, size=args.size, device=args.device, modes=modes, repeats=args.repeats, passes=passes,
+            baselines=not (args.eager_only or args.no_baselines), progress=advance,
         )
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))
@@ -156,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=5, help="timed repetitions per row (median, interleaved)")
     bench.add_argument("--passes", default="default", help='memplan pipeline to compare with eager ("default", "" or e.g. "remat,inplace")')
     bench.add_argument("--eager-only", action="store_true", help="measure and predict eager only")
+    bench.add_argument("--no-baselines", action="store_true",
+                       help="skip the hand-written fixes (memplan.baselines) run beside eager and memplan in training")
     bench.add_argument("--json", action="store_true", help="machine-readable output")
     bench.add_argument("--check", action="store_true", help="exit 1 if a prediction is off by more than 5%%")
     bench.set_defaults(func=_bench)

@@ -1,0 +1,48 @@
+"""``memplan bench`` and the hand-written baselines it runs beside eager and memplan."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import memplan.examples as examples
+from memplan.baselines import BASELINES, hand_written
+from memplan.bench import run_bench
+from memplan.cli import main
+from memplan.testing import assert_equivalent
+
+
+@pytest.mark.parametrize("name", sorted(BASELINES))
+def test_baselines_match_the_example(name):
+    # Same parameters, same outputs and gradients (up to summation order): only memory and time differ.
+    w = examples.make(name)
+    assert_equivalent(w.model, hand_written(name, w.model), *w.inputs, rtol=1e-4, atol=1e-4)
+
+
+def test_unknown_baseline_is_named():
+    with pytest.raises(KeyError, match="no hand-written baseline for 'mlp'"):
+        hand_written("mlp", None)
+
+
+def test_bench_runs_eager_memplan_and_the_baseline_side_by_side():
+    (row,) = run_bench(["broadcast_matmul"], modes=("train",), repeats=1, passes="rewrite", baselines=True).rows
+    assert row.baseline == BASELINES["broadcast_matmul"][0]
+    # The report's fix and memplan's rewrite both avoid the expanded copy of the weight.
+    assert row.baseline_peak < row.measured / 10 and row.optimized < row.measured / 10
+    assert row.baseline_seconds > 0 and row.optimized_seconds > 0 and row.eager_seconds > 0
+    assert row.baseline_reduction == row.measured / row.baseline_peak
+
+
+def test_inference_rows_have_no_baseline():
+    (row,) = run_bench(["broadcast_matmul"], modes=("infer",), repeats=1, passes=None, baselines=True).rows
+    assert row.baseline_peak is None and row.baseline_seconds is None and row.optimized is None
+
+
+def test_cli_json(capsys):
+    assert main(["bench", "broadcast_matmul", "--mode", "train", "--repeats", "1", "--passes", "rewrite", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    assert row["workload"] == "broadcast_matmul" and row["baseline_peak"] < row["measured"]
+    assert main(["bench", "broadcast_matmul", "--mode", "train", "--repeats", "1", "--no-baselines", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    assert row["baseline_peak"] is None
