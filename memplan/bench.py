@@ -24,6 +24,13 @@ from memplan.steps import step_fn
 __all__ = ["BenchRow", "BenchResult", "run_bench"]
 
 
+def _ratio(num: float | None, den: float | None, zero: float = float("nan")) -> float | None:
+    """``num / den``; None when either was not measured, ``zero`` when ``den`` is 0."""
+    if num is None or den is None:
+        return None
+    return num / den if den else zero
+
+
 @dataclasses.dataclass(frozen=True)
 class BenchRow:
     """One workload in one mode."""
@@ -51,28 +58,22 @@ class BenchRow:
     @property
     def reduction(self) -> float | None:
         """How many times lower the optimized peak is (eager / optimized)."""
-        if self.optimized is None:
-            return None
-        return self.measured / self.optimized if self.optimized else float("inf")
+        return _ratio(self.measured, self.optimized, zero=float("inf"))
 
     @property
     def time_ratio(self) -> float | None:
-        if self.optimized_seconds is None:
-            return None
-        return self.optimized_seconds / self.eager_seconds if self.eager_seconds else float("nan")
+        """Optimized step time over eager's."""
+        return _ratio(self.optimized_seconds, self.eager_seconds)
 
     @property
     def baseline_reduction(self) -> float | None:
         """How many times lower the hand-written fix's peak is (eager / hand-written)."""
-        if self.baseline_peak is None:
-            return None
-        return self.measured / self.baseline_peak if self.baseline_peak else float("inf")
+        return _ratio(self.measured, self.baseline_peak, zero=float("inf"))
 
     @property
     def baseline_time_ratio(self) -> float | None:
-        if self.baseline_seconds is None:
-            return None
-        return self.baseline_seconds / self.eager_seconds if self.eager_seconds else float("nan")
+        """Hand-written step time over eager's."""
+        return _ratio(self.baseline_seconds, self.eager_seconds)
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
