@@ -6,7 +6,7 @@ In a captured training graph, whatever forward node a backward node reads is sav
 from the forward until its last backward reader. This pass copies chosen forward nodes into the backward
 phase, each just before its first consumer, and points the backward readers at the copies; the emitted
 forward then saves only what the copies read. Which nodes to recompute is a minimum cut of the forward
-graph (AOTAutograd's construction, solved with networkx), swept over a price of compute and completed by
+graph (AOTAutograd's construction, solved by :class:`CutNetwork`), swept over a price of compute and completed by
 a knapsack over classes of expensive ops, so that the policy can pick the least recomputation that fits
 a budget, or the lowest peak within ``max_overhead``.
 
@@ -129,6 +129,7 @@ __all__ = [
     "apply_stack_reads",
     "retarget",
     "min_cut",
+    "CutNetwork",
     "CopyPlan",
     "plan_copies",
     "backward_reads",
@@ -180,14 +181,14 @@ class RematOptions:
         nothing that costs FLOPs is; the two ends bracket the trade-off.
     price_depth : int
         How many times a price interval whose ends cut differently is bisected (at most
-        ``2**depth + 1`` priced cuts). Each cut costs one networkx max-flow.
+        ``2**depth + 1`` priced cuts). Each cut costs one max-flow.
     hoist_limits : tuple of int
         Hoisting limits (graph positions) tried as a repaired variant of every cut. Rationale: a copy
         hoisted a few positions (within one op's backward) is harmless, one hoisted across a loop step
         keeps the step's values alive; simulation decides between the plain and the repaired cut.
     max_nodes : int
         Graphs with more forward nodes than this get AOTAutograd's cut and the two end prices only
-        (networkx's max-flow is pure Python).
+        (the max-flow is pure Python).
     max_ban_classes : int
         Up to this many classes of expensive ops (same op on the same shapes, e.g. one ``mm`` per loop
         step), every subset is tried kept saved while everything else is recomputed; beyond it, growing
@@ -1096,53 +1097,183 @@ def min_cut(facts: RematFacts, *, price: float | None, banned: frozenset[str] = 
     frozenset of str
         Recomputable nodes on the sink side of the cut (those the backward needs, transitively, are
         copied; the rest are never made).
-    """
-    import networkx as nx
 
-    # Nodes free to save (inputs, views of them, tensors an output keeps) stay out of the network: they
-    # are always available and never recomputed. A node that cannot be recomputed is only its "out"
-    # half, fed from the source through its saving cost.
-    # A view is merged into the tensor it views: saving either keeps the same storage, and recomputing
-    # a view costs nothing, so the two are one node of the network (half the nodes of a typical graph).
-    source, sink = "source", "sink"
-    edges: list[tuple[Any, Any, dict[str, int]]] = []
-    infinite: dict[str, int] = {}
-    recomputable: list[str] = []
-    relevant = _relevant(facts)
-    rep = _representatives(facts, relevant)
-    members: dict[str, list[str]] = {}
-    for name in relevant:
-        members.setdefault(rep[name], []).append(name)
-    for name, group in members.items():
-        fact = facts.nodes[name]
-        if fact.save_bytes == 0:
-            continue
-        fixed = not fact.recomputable or name in banned or (price is None and fact.expensive)
-        save = {"capacity": fact.save_bytes} if fact.saveable else infinite
-        if fixed:
-            if fact.saveable:
-                edges.append((source, (name, 1), save))
-        else:
-            recomputable.append(name)
-            edges.append(((name, 0), (name, 1), save))
-            cost = 0 if price is None else int(round(price * sum(facts.nodes[m].flops for m in group)))
-            if cost > 0:
-                edges.append((source, (name, 0), {"capacity": cost}))
+    Notes
+    -----
+    Several cuts of one graph share their network: :class:`CutNetwork` builds it once.
+    """
+    return CutNetwork(facts).cut(price, banned)
+
+
+class CutNetwork:
+    """The flow network of stage 3 for one graph, built once and cut at any price and ban set.
+
+    Nodes free to save (inputs, views of them, tensors an output keeps) stay out of the network: they
+    are always available and never recomputed. A view is merged into the tensor it views (saving either
+    keeps the same storage, and recomputing a view costs nothing), and an in-place unit into its creator.
+    Each remaining node ``v`` is two network nodes, ``v_in -> v_out`` with its saving cost; a node that
+    cannot be recomputed (or is banned) is only its ``v_out`` half, fed from the source through its
+    saving cost. Edges ``u_out -> v_in`` (``v`` reads ``u``) and ``v_out -> sink`` (the backward reads
+    ``v``) are infinite; ``source -> v_in`` costs ``price * FLOPs(v)``.
+
+    A cut is solved by Dinic's max-flow (short augmenting paths in level graphs; the networks of unrolled
+    loops have few levels, so a few breadth-first phases suffice). Its result does not depend on which
+    maximum flow is found: the nodes that can still reach the sink in the residual network are the same
+    for every maximum flow (they form the smallest sink side of all minimum cuts), so this agrees with any
+    other exact max-flow solver, networkx's included (the tests compare them).
+
+    Examples
+    --------
+    A chain ``x -> a -> b`` whose ``b`` the backward reads, ``a`` cheap to recompute from the input:
+
+    >>> facts = RematFacts(
+    ...     nodes={n: NodeFacts(n, i, n != "x", None, False, n, 8 if n != "x" else 0, s, r)
+    ...            for i, (n, s, r) in enumerate([("x", 0, None), ("a", 64, None), ("b", 64, 5)])},
+    ...     inputs={"a": ("x",), "b": ("a",)}, needed=("b",), total_flops=16, forward_flops=16)
+    >>> network = CutNetwork(facts)
+    >>> sorted(network.cut(price=None)), sorted(network.cut(price=100.0))
+    (['a', 'b'], [])
+    """
+
+    def __init__(self, facts: RematFacts):
+        self.facts = facts
+        relevant = _relevant(facts)
+        rep = _representatives(facts, relevant)
+        members: dict[str, list[str]] = {}
+        for name in relevant:
+            members.setdefault(rep[name], []).append(name)
+        # One entry per network node pair, in graph order of the merged node; nodes free to save are out.
+        self.names: list[str] = [name for name in members if facts.nodes[name].save_bytes > 0]
+        index = {name: i for i, name in enumerate(self.names)}
+        self.members = [tuple(members[name]) for name in self.names]
+        self.recomputed_members = [tuple(m for m in members[name] if facts.nodes[m].recomputable) for name in self.names]
+        self.save: list[int | None] = []  # None: cannot be saved (infinite)
+        self.flops: list[int] = []
+        self.recomputable: list[bool] = []
+        self.expensive: list[bool] = []
+        self.needed: list[bool] = []
+        self.heads: list[tuple[int, ...]] = []  # merged nodes whose value this one reads
+        for name in self.names:
+            fact = facts.nodes[name]
+            group = members[name]
+            self.save.append(fact.save_bytes if fact.saveable else None)
+            self.flops.append(sum(facts.nodes[m].flops for m in group))
+            self.recomputable.append(fact.recomputable)
+            self.expensive.append(fact.expensive)
+            self.needed.append(any(facts.nodes[m].first_reader is not None for m in group))
+            heads = []
             for member in group:
                 for arg in facts.inputs.get(member, ()):
                     head = rep.get(arg)
-                    if head is not None and head != name and facts.nodes[head].save_bytes > 0:
-                        edges.append(((head, 1), (name, 0), infinite))  # no capacity: infinite
-        if any(facts.nodes[m].first_reader is not None for m in group):
-            edges.append(((name, 1), sink, infinite))
-    if not recomputable:
-        return frozenset()
-    network = nx.DiGraph()
-    network.add_nodes_from((source, sink))
-    network.add_edges_from(edges)
-    _, (reachable, _) = nx.minimum_cut(network, source, sink, flow_func=nx.algorithms.flow.boykov_kolmogorov)
-    return frozenset(m for name in recomputable if (name, 0) not in reachable for m in members[name]
-                     if facts.nodes[m].recomputable)
+                    if head is not None and head != name and head in index:
+                        heads.append(index[head])
+            self.heads.append(tuple(dict.fromkeys(heads)))
+
+    def cut(self, price: float | None, banned: frozenset[str] = frozenset()) -> frozenset[str]:
+        """The recompute set of the minimum cut at ``price`` with ``banned`` kept saved (see :func:`min_cut`)."""
+        # Step 1: the edges of this cut. Node 0 is the source, 1 the sink, 2i + 2 and 2i + 3 are
+        # ``v_in`` and ``v_out`` of merged node i.
+        edges: list[tuple[int, int, int | None]] = []  # (tail, head, capacity); None: infinite
+        recomputable: list[int] = []
+        for i, name in enumerate(self.names):
+            v_in, v_out = 2 * i + 2, 2 * i + 3
+            save = self.save[i]
+            fixed = not self.recomputable[i] or name in banned or (price is None and self.expensive[i])
+            if fixed:
+                if save is not None:
+                    edges.append((0, v_out, save))
+            else:
+                recomputable.append(i)
+                edges.append((v_in, v_out, save))
+                cost = 0 if price is None else int(round(price * self.flops[i]))
+                if cost > 0:
+                    edges.append((0, v_in, cost))
+                for head in self.heads[i]:
+                    edges.append((2 * head + 3, v_in, None))
+            if self.needed[i]:
+                edges.append((v_out, 1, None))
+        if not recomputable:
+            return frozenset()
+        # Step 2: maximum flow, then the nodes that still reach the sink.
+        reaches_sink = _reaches_sink_after_max_flow(2 * len(self.names) + 2, edges)
+        return frozenset(m for i in recomputable if reaches_sink[2 * i + 2] for m in self.recomputed_members[i])
+
+
+def _reaches_sink_after_max_flow(size: int, edges: Sequence[tuple[int, int, int | None]]) -> list[bool]:
+    """Which nodes reach the sink (node 1) in the residual network of a maximum flow from node 0.
+
+    Dinic's algorithm: a breadth-first search labels nodes by their distance from the source over edges
+    with residual capacity, then a depth-first search pushes flow along shortest paths only (each node
+    remembers the next edge to try, and a dead end is dropped from the level graph), until the sink is
+    out of reach. Infinite capacities are a number larger than any flow: the sum of the finite ones.
+    """
+    infinite = 1 + sum(c for _, _, c in edges if c is not None)
+    adjacent: list[list[int]] = [[] for _ in range(size)]
+    to: list[int] = []
+    capacity: list[int] = []
+    for tail, head, cap in edges:
+        adjacent[tail].append(len(to))
+        to.append(head)
+        capacity.append(infinite if cap is None else cap)
+        adjacent[head].append(len(to))  # the reverse edge is the edge's id xor 1
+        to.append(tail)
+        capacity.append(0)
+    source, sink = 0, 1
+    while True:
+        level = [-1] * size
+        level[source] = 0
+        frontier = [source]
+        while frontier and level[sink] < 0:
+            following = []
+            for u in frontier:
+                next_level = level[u] + 1
+                for e in adjacent[u]:
+                    v = to[e]
+                    if capacity[e] > 0 and level[v] < 0:
+                        level[v] = next_level
+                        following.append(v)
+            frontier = following
+        if level[sink] < 0:
+            break
+        cursor = [0] * size
+        while True:
+            path: list[int] = []
+            u = source
+            while u != sink:
+                edges_of, i, wanted = adjacent[u], cursor[u], level[u] + 1
+                while i < len(edges_of) and not (capacity[edges_of[i]] > 0 and level[to[edges_of[i]]] == wanted):
+                    i += 1
+                cursor[u] = i
+                if i < len(edges_of):
+                    path.append(edges_of[i])
+                    u = to[edges_of[i]]
+                elif u == source:
+                    break
+                else:
+                    level[u] = -1  # a dead end: out of this level graph
+                    u = to[path.pop() ^ 1]
+                    cursor[u] += 1
+            if u != sink:
+                break
+            pushed = min(capacity[e] for e in path)
+            for e in path:
+                capacity[e] -= pushed
+                capacity[e ^ 1] += pushed
+    # A node reaches the sink if it has an edge with residual capacity to a node that does.
+    into: list[list[int]] = [[] for _ in range(size)]
+    for e, head in enumerate(to):
+        if capacity[e] > 0:
+            into[head].append(to[e ^ 1])
+    reaches = [False] * size
+    reaches[sink] = True
+    stack = [sink]
+    while stack:
+        v = stack.pop()
+        for u in into[v]:
+            if not reaches[u]:
+                reaches[u] = True
+                stack.append(u)
+    return reaches
 
 
 def _representatives(facts: RematFacts, relevant: Sequence[str]) -> dict[str, str]:
@@ -1205,6 +1336,7 @@ class _Cuts:
 
     def __init__(self, facts: RematFacts, rounds: int = 4):
         self.facts = facts
+        self.network = CutNetwork(facts)
         self.users = _forward_users(facts)
         self.rounds = rounds
         self.memo: dict[tuple[float | None, frozenset[str]], frozenset[str]] = {}
@@ -1212,7 +1344,7 @@ class _Cuts:
     def cut(self, price: float | None, banned: frozenset[str] = frozenset()) -> frozenset[str]:
         key = (price, banned)
         if key not in self.memo:
-            self.memo[key] = min_cut(self.facts, price=price, banned=banned)
+            self.memo[key] = self.network.cut(price, banned)
         return self.memo[key]
 
     def repaired(self, price: float | None, limit: int) -> frozenset[str]:

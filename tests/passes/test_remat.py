@@ -18,8 +18,10 @@ from memplan.examples.seq2seq import Seq2Seq
 from memplan.graphutil import is_random, packet_name
 from memplan.measure import measure
 from memplan.passes.remat import (
+    CutNetwork,
     RematFacts,
     RematOptions,
+    _reaches_sink_after_max_flow,
     apply_remat,
     min_cut,
     node_flops,
@@ -206,6 +208,46 @@ def test_networkx_cut_of_a_textbook_graph():
     facts = RematFacts.compute(graph, AnalysisManager(graph))
     assert min_cut(facts, price=None) == {"mul", "sin"}
     assert min_cut(facts, price=1e9) == set()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    size=st.integers(3, 12),
+    edges=st.lists(
+        st.tuples(st.integers(0, 11), st.integers(0, 11), st.one_of(st.none(), st.integers(1, 50))), max_size=40
+    ),
+)
+def test_max_flow_leaves_the_sink_side_networkx_finds(size, edges):
+    """Oracle: on random networks (infinite capacities, antiparallel edges and dead ends included), the
+    nodes that reach the sink after Dinic's max-flow are the sink side of networkx's minimum cut."""
+    import networkx as nx
+
+    network, seen = [], set()
+    for tail, head, cap in edges:
+        tail, head = tail % size, head % size
+        if tail == head or (tail, head) in seen or head == 0 or tail == 1:
+            continue
+        seen.add((tail, head))
+        network.append((tail, head, cap if tail != 0 or cap is not None else 7))  # source edges are finite
+    reaches = _reaches_sink_after_max_flow(size, network)
+    graph = nx.DiGraph()
+    graph.add_nodes_from(range(size))
+    graph.add_edges_from((t, h, {} if c is None else {"capacity": c}) for t, h, c in network)
+    _, (_, sink_side) = nx.minimum_cut(graph, 0, 1)
+    assert {v for v in range(size) if reaches[v]} == sink_side
+
+
+def test_one_network_cuts_like_separate_min_cuts():
+    """A network cut many times keeps no flow from one cut to the next."""
+    model, inputs = small_gru()
+    graph = graph_of(model, inputs)
+    facts = RematFacts.compute(graph, AnalysisManager(graph))
+    network = CutNetwork(facts)
+    banned = frozenset(n for n, f in facts.nodes.items() if f.expensive)
+    for price in (None, 1e-4, 1e-2, 1.0, 1e3):
+        for ban in (frozenset(), banned):
+            assert network.cut(price, ban) == min_cut(facts, price=price, banned=ban)
+    assert network.cut(None) != network.cut(1e3)
 
 
 # ----------------------------------------------------------------------------------------------
