@@ -29,6 +29,7 @@ __all__ = [
     "finish_module",
     "fake_mode_of",
     "fake_call",
+    "BackwardIndex",
     "RegionBackward",
     "region_backward",
     "refresh_aliases",
@@ -149,7 +150,63 @@ class RegionBackward:
     grad_outputs: tuple[str, ...]
 
 
-def region_backward(graph: CapturedGraph, region: Iterable[str]) -> RegionBackward | None:
+@dataclasses.dataclass(frozen=True)
+class BackwardIndex:
+    """What :func:`region_backward` looks up in a graph, gathered in one walk so that finding the
+    backward of many regions of one graph costs time in proportion to each region, not to the graph.
+
+    ``detaches``: forward ``detach`` nodes by the name of what they detach; ``forward_by_seq`` and
+    ``backward_by_seq``: the forward and backward ops (``call_function``) by autograd sequence number;
+    ``backward``: the backward ops in graph order, with their ``position`` there; ``accumulations``:
+    the backward ``add`` nodes that read no forward value (gradient accumulations).
+    """
+
+    detaches: Mapping[str, tuple[str, ...]]
+    forward_by_seq: Mapping[int, tuple[str, ...]]
+    backward_by_seq: Mapping[int, tuple[torch.fx.Node, ...]]
+    backward: tuple[torch.fx.Node, ...]
+    position: Mapping[torch.fx.Node, int]
+    accumulations: frozenset[torch.fx.Node]
+
+    @classmethod
+    def of(cls, graph: CapturedGraph) -> "BackwardIndex":
+        detaches: dict[str, list[str]] = {}
+        forward_by_seq: dict[int, list[str]] = {}
+        backward_by_seq: dict[int, list[torch.fx.Node]] = {}
+        backward: list[torch.fx.Node] = []
+        accumulations = set()
+        phases, seq_nr = graph.phases, graph.seq_nr
+        for node in graph.gm.graph.nodes:
+            phase = phases.get(node.name)
+            if node.target is torch.ops.aten.detach.default and phase is Phase.FORWARD:
+                detaches.setdefault(node.args[0].name, []).append(node.name)
+            if node.op != "call_function":
+                continue
+            seq = seq_nr.get(node.name)
+            if phase is Phase.FORWARD:
+                if seq is not None:
+                    forward_by_seq.setdefault(seq, []).append(node.name)
+            elif phase is Phase.BACKWARD:
+                backward.append(node)
+                if seq is not None:
+                    backward_by_seq.setdefault(seq, []).append(node)
+                if node.target is torch.ops.aten.add.Tensor and all(
+                    phases.get(a.name) is not Phase.FORWARD for a in node.all_input_nodes
+                ):
+                    accumulations.add(node)
+        return cls(
+            detaches={k: tuple(v) for k, v in detaches.items()},
+            forward_by_seq={k: tuple(v) for k, v in forward_by_seq.items()},
+            backward_by_seq={k: tuple(v) for k, v in backward_by_seq.items()},
+            backward=tuple(backward),
+            position={n: i for i, n in enumerate(backward)},
+            accumulations=frozenset(accumulations),
+        )
+
+
+def region_backward(
+    graph: CapturedGraph, region: Iterable[str], index: BackwardIndex | None = None
+) -> RegionBackward | None:
     """Find the backward of ``region`` by autograd sequence numbers and dataflow; None when ambiguous.
 
     Backward nodes carry the sequence number of the forward op whose derivative they compute. Two
@@ -157,7 +214,8 @@ def region_backward(graph: CapturedGraph, region: Iterable[str]) -> RegionBackwa
     forward ops that need no gradient share the number of the op before them. So the backward is
     grown from the nodes whose number belongs to the region alone: accumulations join when they lie
     between two of its nodes, nodes with a shared number when they are next to one; a node with a
-    shared number that joins nothing makes the answer ambiguous.
+    shared number that joins nothing makes the answer ambiguous. ``index`` is the graph's
+    :class:`BackwardIndex` when the caller has it (built here otherwise).
 
     Examples
     --------
@@ -171,33 +229,30 @@ def region_backward(graph: CapturedGraph, region: Iterable[str]) -> RegionBackwa
     region = set(region)
     if not graph.training:
         return RegionBackward((), (), ())
+    index = index if index is not None else BackwardIndex.of(graph)
     # autograd's own aliases of a region value (the ``detach`` made to save it) belong to the region
-    for node in graph.gm.graph.nodes:
-        if node.target is torch.ops.aten.detach.default and node.args[0].name in region:
-            if graph.phases.get(node.name) is Phase.FORWARD:
-                region.add(node.name)
+    stack = list(region)
+    while stack:
+        for alias in index.detaches.get(stack.pop(), ()):
+            if alias not in region:
+                region.add(alias)
+                stack.append(alias)
     seqs = {graph.seq_nr[n] for n in region if n in graph.seq_nr}
-    shared = set()
-    for node in graph.gm.graph.nodes:
-        if node.op == "call_function" and graph.phases.get(node.name) is Phase.FORWARD and node.name not in region:
-            if graph.seq_nr.get(node.name) in seqs:
-                shared.add(graph.seq_nr[node.name])
-    backward = [n for n in graph.gm.graph.nodes if n.op == "call_function" and graph.phases.get(n.name) is Phase.BACKWARD]
-
-    def accumulation(node: torch.fx.Node) -> bool:
-        return node.target is torch.ops.aten.add.Tensor and all(
-            graph.phases.get(a.name) is not Phase.FORWARD for a in node.all_input_nodes
-        )
-
-    members = {n for n in backward if graph.seq_nr.get(n.name) in seqs - shared and not accumulation(n)}
-    pending_shared = {n for n in backward if graph.seq_nr.get(n.name) in shared and not accumulation(n)}
-    glue = {n for n in backward if accumulation(n) and n not in members}
+    shared = {seq for seq in seqs if any(n not in region for n in index.forward_by_seq.get(seq, ()))}
+    accumulations = index.accumulations
+    members = {n for seq in seqs - shared for n in index.backward_by_seq.get(seq, ()) if n not in accumulations}
+    pending_shared = {n for seq in shared for n in index.backward_by_seq.get(seq, ()) if n not in accumulations}
+    glue = set(accumulations - members)
+    position = index.position
     changed = True
     while changed:
         changed = False
-        below = _reach(members, lambda n: n.users, graph)
-        above = _reach(members, lambda n: n.all_input_nodes, graph)
-        for node in sorted(glue | pending_shared, key=lambda n: n.name):
+        # a node between two members lies between the first and the last of them in graph order
+        window = (min(position[n] for n in members), max(position[n] for n in members)) if members else (0, -1)
+        below = _reach(members, lambda n: n.users, graph, position, window)
+        above = _reach(members, lambda n: n.all_input_nodes, graph, position, window)
+        near = {n for n in glue if window[0] <= position[n] <= window[1]}  # the glue that can be between
+        for node in sorted(near | pending_shared, key=lambda n: n.name):
             between = node in below and node in above
             adjacent = node in pending_shared and (
                 any(a in members for a in node.all_input_nodes) or any(u in members for u in node.users)
@@ -209,27 +264,35 @@ def region_backward(graph: CapturedGraph, region: Iterable[str]) -> RegionBackwa
                 changed = True
     if pending_shared:
         return None
-    ordered = [n for n in backward if n in members]
+    ordered = sorted(members, key=position.__getitem__)
     tangents = {s.node for s in graph.inputs if s.kind == "tangent"}
     grad_inputs, grad_outputs = [], []
+    seen: set[str] = set()
     for node in ordered:
         for arg in node.all_input_nodes:
-            if arg in members or arg.name in grad_inputs:
+            if arg in members or arg.name in seen:
                 continue
             if graph.phases.get(arg.name) is Phase.BACKWARD or arg.name in tangents:
                 grad_inputs.append(arg.name)
+                seen.add(arg.name)
         if any(u not in members for u in node.users):
             grad_outputs.append(node.name)
     return RegionBackward(tuple(n.name for n in ordered), tuple(grad_inputs), tuple(grad_outputs))
 
 
-def _reach(start: set[torch.fx.Node], step, graph: CapturedGraph) -> set[torch.fx.Node]:
-    """Backward nodes reachable from ``start`` (excluded) by ``step``."""
+def _reach(start: set[torch.fx.Node], step, graph: CapturedGraph, position: Mapping[torch.fx.Node, int],
+           window: tuple[int, int]) -> set[torch.fx.Node]:
+    """Backward nodes reachable from ``start`` (excluded) by ``step``, through backward ops inside the
+    ``window`` of positions only (other backward nodes, not ops, are followed too)."""
+    lo, hi = window
     seen: set[torch.fx.Node] = set()
     stack = list(start)
     while stack:
         for nxt in step(stack.pop()):
             if nxt not in seen and graph.phases.get(nxt.name) is Phase.BACKWARD:
+                at = position.get(nxt)
+                if at is not None and not lo <= at <= hi:
+                    continue
                 seen.add(nxt)
                 stack.append(nxt)
     return seen
