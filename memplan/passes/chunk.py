@@ -96,6 +96,7 @@ autograd sequence numbers.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -113,6 +114,7 @@ from memplan.graphutil import is_random, mutated_args, packet_name
 from memplan.passes._chunk.cost import CostRates, graph_cost, module_cost, op_work
 from memplan.passes._chunk.graphs import (
     ALIAS_OPS,
+    BackwardIndex,
     RegionBackward,
     copy_graph,
     fake_mode_of,
@@ -223,13 +225,25 @@ class _Flood:
     failed: torch.fx.Node | None = None
 
 
-def _flood_forward(order: Sequence[torch.fx.Node], seeds: Mapping[torch.fx.Node, Split], barriers: set[str]) -> _Flood:
+def _flood_forward(
+    order: Sequence[torch.fx.Node],
+    seeds: Mapping[torch.fx.Node, Split],
+    barriers: set[str],
+    position: Mapping[torch.fx.Node, int] | None = None,
+) -> _Flood:
     """Propagate chunk states forward from the sliced ``seeds`` (stage 2).
 
     A rule that needs an input sliced or rebuilt chunk-sized changes that input's state. When nothing
     walked so far read that input, the rule is simply asked again; otherwise, as states only flow
-    forward, the walk resumes at the first node the input can affect, keeping what it found before."""
-    position = {node: i for i, node in enumerate(order)}
+    forward, the walk resumes at the first node the input can affect, keeping what it found before.
+
+    The walk visits, in graph order, only the nodes something can reach: readers of a value with a
+    state, a slice or a taint, and values relabelled or pulled into the chunk. Any other node reads
+    nothing the flood touched, so a full walk would pass it by; skipping it keeps the cost in
+    proportion to the region, not to the graph. ``position`` is ``order``'s index when the caller
+    has it."""
+    if position is None:
+        position = {node: i for i, node in enumerate(order)}
     slices = dict(seeds)
     relabel: dict[torch.fx.Node, Split] = {}
     pulled: set[torch.fx.Node] = set()  # shape-only values the region writes in place: made per chunk
@@ -248,22 +262,44 @@ def _flood_forward(order: Sequence[torch.fx.Node], seeds: Mapping[torch.fx.Node,
 
     start = 0
     for _ in range(_MAX_RESTARTS):
-        for node in order[start:]:
-            states.pop(node, None)
-            tainted.discard(node)
+        for node in [n for n in states if position[n] >= start]:
+            del states[node]
+        tainted.difference_update([n for n in tainted if position[n] >= start])
+        queue: list[int] = []
+        queued: set[int] = set()
+
+        def visit(node: torch.fx.Node, after: int) -> None:
+            at = position.get(node)
+            if at is not None and at > after and at not in queued:
+                queued.add(at)
+                heapq.heappush(queue, at)
+
+        def visit_readers(node: torch.fx.Node, after: int) -> None:
+            for user in node.users:
+                visit(user, after)
+
+        for node in [*states, *tainted, *slices, *relabel]:
+            visit_readers(node, start - 1)
+        for node in [*slices, *relabel, *pulled]:
+            visit(node, start - 1)
         changed: list[torch.fx.Node] = []
-        for node in order[start:]:
+        while queue:
+            at = heapq.heappop(queue)
+            node = order[at]
             if node in slices:
                 continue
             if node in relabel:
                 states[node] = relabel[node]
+                visit_readers(node, at)
                 continue
             if node in pulled:
                 states[node] = REP
+                visit_readers(node, at)
                 continue
             inputs = node.all_input_nodes
             if any(a in tainted for a in inputs):
                 tainted.add(node)
+                visit_readers(node, at)
                 continue
             if not any(a in states or a in slices for a in inputs):
                 continue
@@ -275,6 +311,7 @@ def _flood_forward(order: Sequence[torch.fx.Node], seeds: Mapping[torch.fx.Node,
             result = chunk_rule(node, st, _is_zero_factory)
             if node.name in barriers or foreign and result != Partial("inplace"):
                 tainted.add(node)
+                visit_readers(node, at)
                 continue
             while isinstance(result, Need):
                 target = result.node
@@ -288,21 +325,21 @@ def _flood_forward(order: Sequence[torch.fx.Node], seeds: Mapping[torch.fx.Node,
                     relabel[target] = result.state
                 else:
                     slices[target] = result.state
-                if any(position.get(u, len(order)) < position[node] for u in target.users):
+                if any(position.get(u, len(order)) < at for u in target.users):
                     changed = [target]  # something before this node read the old state: walk again from there
                     break
                 if target in relabel and target in position:
                     states[target] = relabel[target]
+                visit_readers(target, at)
                 result = chunk_rule(node, st, _is_zero_factory)
             if changed:
                 break
-            if isinstance(result, Need):
+            if isinstance(result, (Need, Barrier)):
                 tainted.add(node)
-                continue
-            if isinstance(result, Barrier):
-                tainted.add(node)
+                visit_readers(node, at)
                 continue
             states[node] = result
+            visit_readers(node, at)
         if not changed:
             return _Flood(states, slices, relabel, tainted)
         start = first_affected(changed)
@@ -440,30 +477,44 @@ class ChunkPlan:
         return "\n".join(str(r) for r in self.regions) if self.regions else "chunk: nothing to do"
 
 
-def _analyse(graph: CapturedGraph, seeds: Mapping[str, Split], label: str) -> ChunkRegion | None:
+@dataclasses.dataclass(frozen=True)
+class _Search:
+    """Facts of one graph that the analysis of every candidate index reads, gathered once."""
+
+    forward: tuple[torch.fx.Node, ...]  # forward ops, graph order
+    position: Mapping[torch.fx.Node, int]  # index in ``forward``
+    backward: BackwardIndex
+
+    @classmethod
+    def of(cls, graph: CapturedGraph) -> "_Search":
+        forward = tuple(
+            n for n in graph.gm.graph.nodes if n.op == "call_function" and graph.phases.get(n.name) is Phase.FORWARD
+        )
+        return cls(forward, {n: i for i, n in enumerate(forward)}, BackwardIndex.of(graph))
+
+
+def _analyse(graph: CapturedGraph, seeds: Mapping[str, Split], label: str, search: _Search | None = None) -> ChunkRegion | None:
     """Stages 2-4 for one candidate index: the region, its backward body, what to recompute."""
-    gm = graph.gm
-    by_name = {n.name: n for n in gm.graph.nodes}
-    seed_nodes = {by_name[k]: v for k, v in seeds.items()}
+    search = search if search is not None else _Search.of(graph)
+    seed_nodes = {graph.node(k): v for k, v in seeds.items()}
     units = {(shape_of(n)[s.dim] // s.inner) for n, s in seed_nodes.items()}
     if len(units) != 1 or next(iter(units)) < 2:
         return None
     (n_units,) = units
-    forward_order = [n for n in gm.graph.nodes if n.op == "call_function" and graph.phases.get(n.name) is Phase.FORWARD]
     barriers: set[str] = set()
     for _ in range(16):
         # Step 2: the forward flood from the sliced sources.
-        flood = _flood_forward(forward_order, seed_nodes, barriers)
-        region = [n for n in forward_order if n in flood.states]
+        flood = _flood_forward(search.forward, seed_nodes, barriers, search.position)
+        region = sorted(flood.states, key=search.position.__getitem__)
         if not any(_carries(flood.states[n]) for n in region):
             return None
         if any(shape_of(n)[s.dim] != n_units * s.inner for n, s in flood.slices.items()):
             return None
-        rb = region_backward(graph, [n.name for n in region])
+        rb = region_backward(graph, [n.name for n in region], search.backward)
         if rb is None:
             return None
         # Step 3: the region's backward, from the states of the values it reads.
-        border = [by_name[x] for x in rb.nodes]
+        border = [graph.node(x) for x in rb.nodes]
         fixed: dict[torch.fx.Node, State] = {n: _combined(flood.states[n]) for n in region}
         fixed.update(flood.slices)
         back = _flood_backward(border, fixed)
@@ -489,6 +540,7 @@ def _finish_region(graph, label, n_units, region, flood: _Flood, border, back: _
             body.append(node)
             body_set.add(node)
     # a value the body writes in place is created in the body, once per chunk
+    border_set = set(border)
     pulled = True
     while pulled:
         pulled = False
@@ -498,7 +550,7 @@ def _finish_region(graph, label, n_units, region, flood: _Flood, border, back: _
                 while packet_name(chain[-1]) in ALIAS_OPS and chain[-1].args:
                     chain.append(chain[-1].args[0])
                 for member in chain:
-                    if member in set(border) and member not in body_set:
+                    if member in border_set and member not in body_set:
                         body_set.add(member)
                         pulled = True
         body = [n for n in border if n in body_set]
@@ -568,13 +620,13 @@ def _with_saved(graph: CapturedGraph, region: ChunkRegion, fraction: float) -> C
     Every small value the recomputation reads is a candidate; saving them shrinks the recomputed set,
     and the candidates nothing recomputed still reads are dropped again, until nothing changes. A max
     that returns values and indices is recomputed only if one of the two is not saved."""
-    by_name = {n.name: n for n in graph.gm.graph.nodes}
-    forward = [by_name[name] for name, _ in region.forward]
+    node_of = graph.node  # the graph's name table
+    forward = [node_of(name) for name, _ in region.forward]
     states = dict(region.forward)
     region_set = set(forward)
-    body = [by_name[name] for name, _ in region.backward]
+    body = [node_of(name) for name, _ in region.backward]
     largest = max((nbytes(n) for n in forward), default=0)
-    outputs = {by_name[o] for o in region.outputs}
+    outputs = {node_of(o) for o in region.outputs}
 
     def small(a: torch.fx.Node) -> bool:
         # the result of a reduction: its op reads many times the bytes it returns, so keeping the
@@ -591,7 +643,7 @@ def _with_saved(graph: CapturedGraph, region: ChunkRegion, fraction: float) -> C
             and reads >= _REDUCTION_RATIO * nbytes(op)
         )
 
-    recompute = [by_name[n] for n in region.recompute]
+    recompute = [node_of(n) for n in region.recompute]
     readers = set(recompute) | set(body)
     saved = {a for n in readers for a in n.all_input_nodes if a in region_set and a not in outputs and small(a)}
     while saved:
@@ -1017,6 +1069,9 @@ class ChunkOptions:
         return cls(**picked)
 
 
+_TRIAL_STEPS = 4  # rule evaluations in one trial of _inverse: each may ask one more operand sliced
+
+
 def _inverse(node: torch.fx.Node, state: Split) -> list[tuple[torch.fx.Node, Split]]:
     """Inputs of ``node`` that carry the index when its output carries it as ``state`` (by testing the
     forward rule), empty when the op creates or mixes it."""
@@ -1027,7 +1082,18 @@ def _inverse(node: torch.fx.Node, state: Split) -> list[tuple[torch.fx.Node, Spl
         if not isinstance(op, torch.fx.Node) or op.op != "call_function":
             return []
     units = shape_of(node)[state.dim] // state.inner
-    for p in dict.fromkeys(a for a in op.all_input_nodes if is_tensor(a)):
+    tensors = list(dict.fromkeys(a for a in op.all_input_nodes if is_tensor(a)))
+    # A list op (cat, stack) asks, one at a time, for every other operand full-sized on the index to
+    # be sliced too; a trial succeeds only if its last rule evaluation asks for nothing more, so with
+    # _TRIAL_STEPS or more such operands besides p none can. Counting them first keeps a stack of a
+    # thousand steps linear instead of quadratic.
+    full_sized: dict[int, int] = {}
+    if packet_name(op) in ("cat", "stack"):
+        for a in tensors:
+            for e, size in enumerate(shape_of(a)):
+                if size != 1:
+                    full_sized[e] = full_sized.get(e, 0) + 1
+    for p in tensors:
         shape = shape_of(p)
         options: list[Split] = []
         if packet_name(op) in VIEW_OPS:
@@ -1036,8 +1102,10 @@ def _inverse(node: torch.fx.Node, state: Split) -> list[tuple[torch.fx.Node, Spl
         else:
             options = [Split(e, state.inner) for e, size in enumerate(shape) if size == units * state.inner]
         for option in options:
+            if full_sized.get(option.dim, 0) - 1 >= _TRIAL_STEPS:
+                continue  # p itself is full-sized on option.dim: the others need more than the trial resolves
             trial: dict[torch.fx.Node, State] = {p: option}
-            for _ in range(4):
+            for _ in range(_TRIAL_STEPS):
                 result = chunk_rule(op, trial.get, _is_zero_factory)
                 if isinstance(result, Need) and result.node not in trial:
                     trial[result.node] = result.state
@@ -1102,14 +1170,14 @@ def _seed_sets(graph: CapturedGraph, options: ChunkOptions) -> list[tuple[str, d
 def _potential(graph: CapturedGraph, region: ChunkRegion, tensors: Tensors) -> int:
     """Bytes the region could stop holding at once: its largest value the loops do not materialise,
     less the largest sliced input that still has to be materialised in full (not a view of an input)."""
-    by_name = {n.name: n for n in graph.gm.graph.nodes}
+    node_of = graph.node  # the graph's name table
     keep = set(region.outputs) | {n for n, _ in region.sources}
     inside = [n for n, _ in region.forward if n not in keep] + [n for n, _ in region.backward if n not in region.backward_outputs]
-    freed = max((nbytes(by_name[n]) for n in inside), default=0)
+    freed = max((nbytes(node_of(n)) for n in inside), default=0)
     held = 0
     for name, _ in list(region.sources) + list(region.backward_slices):
         if any(not tensors.storages[sid].external for sid in tensors.storages_of(name)):
-            held = max(held, nbytes(by_name[name]))
+            held = max(held, nbytes(node_of(name)))
     return freed - held
 
 
@@ -1134,7 +1202,7 @@ def _peak_bound(graph: CapturedGraph, region: ChunkRegion, tensors: Tensors, liv
     b_at = min((position[n] for n in body), default=f_at)
     kept = set(region.outputs) | set(region.saved) | set(region.backward_outputs)
     in_forward, in_body, recomputed = set(forward), set(body), set(region.recompute)
-    by_name = {n.name: n for n in graph.gm.graph.nodes}
+    node_of = graph.node  # the graph's name table
 
     def read_at(user: str) -> list[int]:
         if user in in_body:
@@ -1144,6 +1212,19 @@ def _peak_bound(graph: CapturedGraph, region: ChunkRegion, tensors: Tensors, liv
         return [position[user]] if user in position else []
 
     members = in_forward | in_body
+
+    def first_read(outputs: set[str], loop: set[str]) -> int | None:
+        # the first read of any output of a loop by a node after that loop (outside the region, or
+        # the backward loop reading the forward one's): the loop runs, and makes them all, before it
+        reads = []
+        for member in outputs:
+            for user in node_of(member).users:
+                if user.name not in loop:
+                    reads.extend(read_at(user.name))
+        return min(reads, default=None)
+
+    forward_first = first_read(kept & in_forward, in_forward)
+    body_first = first_read(kept & in_body, members)
     born: dict[int, int] = {}
     dies: dict[int, int] = {}
 
@@ -1159,16 +1240,19 @@ def _peak_bound(graph: CapturedGraph, region: ChunkRegion, tensors: Tensors, liv
             continue
         interval = liveness.intervals[sid]
         if storage.creator not in members:
-            readers = [u.name for m in storage.members for u in by_name[m].users] + list(storage.members)
+            readers = [u.name for m in storage.members for u in node_of(m).users] + list(storage.members)
             hold(interval.start, interval.end, storage.nbytes, readers)
             continue
         # a region value: gone, unless a loop materialises it (a fresh tensor of the kept value's size)
         for member in storage.members:
             if member not in kept:
                 continue
-            readers = [u.name for u in by_name[member].users]
+            readers = [u.name for u in node_of(member).users]
             reads = sorted(at for reader in readers for at in read_at(reader))
             first = reads[0] if reads else interval.start
+            loop_first = body_first if member in in_body else forward_first
+            if loop_first is not None:
+                first = loop_first  # the loop makes all its outputs at once, before any of them is read
             start = max(b_at, first) if member in in_body else first
             size = sum(info.nbytes for info in tensors.tensors[member] if info.storage == sid)
             hold(start, interval.end, size, readers)
@@ -1190,10 +1274,10 @@ def _overhead_bound(graph: CapturedGraph, region: ChunkRegion, rates: CostRates,
     forward ops run once more on top, at cache speed; each chunk of each loop costs ``chunk_seconds``. More chunks only add dispatches, so
     the bound for the fewest chunks holds for every candidate of the region, nested ones included.
     """
-    by_name = {n.name: n for n in graph.gm.graph.nodes}
+    node_of = graph.node  # the graph's name table
     extra = chunks * rates.chunk_seconds * (2 if region.backward else 1)
     for name in [n for n, _ in region.forward] + [n for n, _ in region.backward]:
-        work = op_work(by_name[name])
+        work = op_work(node_of(name))
         if work.none:
             continue
         if work.view:
@@ -1204,7 +1288,7 @@ def _overhead_bound(graph: CapturedGraph, region: ChunkRegion, rates: CostRates,
         if traffic > rates.cache_bytes:
             extra -= traffic / rates.bandwidth - traffic / rates.cache_bandwidth
     for name in region.recompute:
-        work = op_work(by_name[name])
+        work = op_work(node_of(name))
         if work.none or work.view:
             continue
         traffic = work.fixed_bytes + work.scaled_bytes
@@ -1215,8 +1299,9 @@ def _overhead_bound(graph: CapturedGraph, region: ChunkRegion, rates: CostRates,
 def _regions(graph: CapturedGraph, options: ChunkOptions, tensors: Tensors) -> list[ChunkRegion]:
     """Stages 1-4 for every seed set: the distinct regions, ranked by the bytes they could free."""
     found: dict[tuple, ChunkRegion] = {}
+    search = _Search.of(graph)
     for label, seeds in _seed_sets(graph, options):
-        region = _analyse(graph, seeds, label)
+        region = _analyse(graph, seeds, label, search)
         if region is None:
             continue
         key = (region.units, tuple(n for n, _ in region.forward), tuple(n for n, _ in region.backward))
