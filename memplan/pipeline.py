@@ -180,28 +180,59 @@ def mutation_hazards(graph: CapturedGraph, am: AnalysisManager) -> frozenset[tup
     defined before the write. In a graph from eager code these are the user's own aliasing; a pass must
     not add any. Taking a view is not a read (``buf.select(0, i)`` made before a write to ``buf`` reads
     nothing); the view's own readers are checked, since the view is a member of the storage. A read of
-    elements the write does not reach is no hazard (``buf[0]`` read after a write to ``buf[1]``)."""
+    elements the write does not reach is no hazard (``buf[0]`` read after a write to ``buf[1]``).
+
+    Per storage, a sweep in graph order: a member (a node aliasing the storage) is *open* from where it
+    is defined until its last reader, and a write can only clobber the open members. So a storage
+    written at every step of a long loop (a gradient accumulated in place) costs its members and writes
+    once each, not their product.
+    """
     tensors, liveness = am.get(Tensors), am.get(Liveness)
     position = liveness.position
     by_name = {n.name: n for n in graph.gm.graph.nodes}
-    hazards = set()
+    # Step 1: the writes into each storage, in graph order.
+    writes: dict[int, list[tuple[int, torch.fx.Node, torch.fx.Node]]] = {}
     for node in graph.gm.graph.nodes:
         if node.op != "call_function":
             continue
         for target in mutated_args(node):
-            p = position[node.name]
-            written = element_span(target.meta.get("val"))
             for sid in tensors.storages_of(target.name):
-                for member in tensors.storages[sid].members:
-                    if member == node.name or position.get(member, -1) >= p:
-                        continue
-                    if not _overlap(written, element_span(by_name[member].meta.get("val"))):
-                        continue
-                    for user in by_name[member].users:
-                        if user.op == "output" or is_pure_view(user):
-                            continue  # a view reads no data: its own readers are checked as members
-                        if position[user.name] > p:
-                            hazards.add((node.name, user.name))
+                writes.setdefault(sid, []).append((position[node.name], node, target))
+    hazards = set()
+    readers_of: dict[str, tuple[int, list[tuple[int, str]]]] = {}  # member -> (last read, reads)
+    for sid, storage_writes in writes.items():
+        # Step 2: each member's reads (views and the output read no data: their readers are members).
+        opened = []
+        for member in tensors.storages[sid].members:
+            if member not in readers_of:
+                reads = [(position[u.name], u.name) for u in by_name[member].users
+                         if u.op != "output" and not is_pure_view(u)]
+                readers_of[member] = (max((p for p, _ in reads), default=-1), reads)
+            last, _ = readers_of[member]
+            opened.append((position.get(member, -1), member, last))
+        opened.sort(key=lambda item: item[0])
+        # Step 3: sweep the writes in order, keeping the members defined before each write and read after.
+        storage_writes.sort(key=lambda item: item[0])
+        open_members: list[tuple[int, str]] = []  # (last read, member)
+        following = 0
+        for p, node, target in storage_writes:
+            while following < len(opened) and opened[following][0] < p:
+                start, member, last = opened[following]
+                if last > start:
+                    open_members.append((last, member))
+                following += 1
+            open_members = [(last, member) for last, member in open_members if last > p]
+            if not open_members:
+                continue
+            written = element_span(target.meta.get("val"))
+            for _, member in open_members:
+                if member == node.name:
+                    continue
+                if not _overlap(written, element_span(by_name[member].meta.get("val"))):
+                    continue
+                for q, reader in readers_of[member][1]:
+                    if q > p:
+                        hazards.add((node.name, reader))
     return frozenset(hazards)
 
 
@@ -351,7 +382,8 @@ class PassManager:
                 am.update(result.graph, result.preserved)
                 try:
                     verify(result.graph, am)
-                    new = mutation_hazards(result.graph, am) - baseline_hazards
+                    hazards = mutation_hazards(result.graph, am)
+                    new = hazards - baseline_hazards
                     if new:
                         writer, reader = sorted(new)[0]
                         raise AssertionError(
@@ -361,7 +393,7 @@ class PassManager:
                 except AssertionError as exc:
                     raise self._failure(name, i, graph, f"broke an invariant: {exc}") from exc
                 graph = result.graph
-                baseline_hazards = mutation_hazards(graph, am)
+                baseline_hazards = hazards
             elif result.graph is not graph:
                 raise self._failure(name, i, graph, "returned a new graph but reported changed=False")
             peak_after = am.get(PeakSimulation).peak
