@@ -5,7 +5,6 @@ No dependency on the rest of memplan, so capture and the passes can both use it.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -14,20 +13,30 @@ import torch.fx
 __all__ = ["mutated_args", "is_pure_view"]
 
 
-@functools.lru_cache(maxsize=None)
-def _written_arguments(schema: Any) -> tuple[tuple[int, str], ...]:
-    """``(position, name)`` of the arguments a schema writes into. Passes ask this of every node again
-    and again (hundreds of thousands of times on an unrolled loop), so each schema is read once."""
-    return tuple((i, arg.name) for i, arg in enumerate(schema.arguments)
-                 if arg.alias_info is not None and arg.alias_info.is_write)
+# Passes ask these of every node again and again (hundreds of thousands of times on an unrolled loop),
+# so each operator's schema is read once. Keyed by the operator: schemas with list defaults are unhashable.
+_WRITTEN: dict[Any, tuple[tuple[int, str], ...]] = {}
+_VIEWS: dict[Any, bool] = {}
 
 
-@functools.lru_cache(maxsize=None)
-def _only_views(schema: Any) -> bool:
-    """Whether every return of a schema aliases an argument it does not write (a pure view)."""
-    if not schema.returns or _written_arguments(schema):
-        return False
-    return all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+def _written_arguments(target: Any, schema: Any) -> tuple[tuple[int, str], ...]:
+    """``(position, name)`` of the arguments an operator writes into."""
+    written = _WRITTEN.get(target)
+    if written is None:
+        written = tuple((i, arg.name) for i, arg in enumerate(schema.arguments)
+                        if arg.alias_info is not None and arg.alias_info.is_write)
+        _WRITTEN[target] = written
+    return written
+
+
+def _only_views(target: Any, schema: Any) -> bool:
+    """Whether every return of an operator aliases an argument it does not write (a pure view)."""
+    views = _VIEWS.get(target)
+    if views is None:
+        views = bool(schema.returns) and not _written_arguments(target, schema) and all(
+            r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+        _VIEWS[target] = views
+    return views
 
 
 def mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -36,7 +45,7 @@ def mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
     if schema is None:
         return []
     mutated = []
-    for i, name in _written_arguments(schema):
+    for i, name in _written_arguments(node.target, schema):
         value = node.args[i] if i < len(node.args) else node.kwargs.get(name)
         if isinstance(value, torch.fx.Node):
             mutated.append(value)
@@ -56,4 +65,4 @@ def is_pure_view(node: torch.fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     if node.op != "call_function" or schema is None:
         return False
-    return _only_views(schema)
+    return _only_views(node.target, schema)
