@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from memplan.capture import CapturedGraph, Phase
 from memplan.opschema import is_pure_view, mutated_args
@@ -37,6 +38,10 @@ def copy_graph(graph: CapturedGraph) -> CapturedGraph:
     """A copy whose GraphModule passes may edit in place; node names (and so every mapping) are kept.
 
     Fake values are shared, not copied: passes replace a node's ``meta["val"]``, never mutate it.
+    The copy generates its Python code lazily (fx's ``_LazyGraphModule``, as :mod:`memplan.emit` uses):
+    each changing pass recompiles the module, and on an unrolled loop of tens of thousands of nodes
+    generating code nobody reads took seconds per pass; reading ``gm.code`` or calling the module still
+    generates it first.
     """
     new = torch.fx.Graph()
     value_map: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -45,7 +50,7 @@ def copy_graph(graph: CapturedGraph) -> CapturedGraph:
     for old, copied in value_map.items():
         if copied.name != old.name:
             raise AssertionError(f"graph copy renamed {old.name} to {copied.name}")
-    return dataclasses.replace(graph, gm=torch.fx.GraphModule(graph.gm, new))
+    return dataclasses.replace(graph, gm=_LazyGraphModule(graph.gm, new))
 
 
 def _fake_mode_of(values: list[Any]):
