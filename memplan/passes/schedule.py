@@ -55,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -166,17 +167,16 @@ class ScheduleProblem:
 
         # Step 1b: writers stay between the earlier and the later readers of what they write.
         ordered: list[int] = []
+        writers_of_sid: dict[int, set[int]] = {}
         for i, node in enumerate(nodes):
             written = mutated_args(node) if node.op == "call_function" else []
             if written or _has_side_effects(node):
                 ordered.append(i)
             for target in written:
                 for sid in tensors.storages_of(target.name):
-                    for r in readers_of_sid.get(sid, ()):
-                        if r < i:
-                            preds[i].add(r)
-                        elif r > i:
-                            preds[r].add(i)
+                    writers_of_sid.setdefault(sid, set()).add(i)
+        for sid, writers in writers_of_sid.items():
+            _order_writers(sorted(readers_of_sid.get(sid, set()) | writers), writers, preds)
         # Step 1c: side effects keep their relative order.
         for a, b in zip(ordered, ordered[1:]):
             preds[b].add(a)
@@ -197,6 +197,7 @@ class ScheduleProblem:
             for t in sorted(ts):
                 self.touches[t].append(s)
         self.n_touchers = [len(ts) for ts in touchers]
+        self.touchers: list[tuple[int, ...]] = [tuple(sorted(ts)) for ts in touchers]
         self.alloc = [sum(self.sizes[s] for s in self.born[i]) for i in range(n)]
 
     # -- simulation -----------------------------------------------------------------------------
@@ -244,11 +245,10 @@ class ScheduleProblem:
 
     # -- greedy list scheduling -----------------------------------------------------------------
 
-    def greedy(self, choose: Callable[["_State", list[int]], int]) -> list[int]:
-        """Kahn's algorithm; ``choose(state, ready)`` picks the next node among the ready ones."""
-        state = _State(self)
+    def greedy(self, ready: "_Ready") -> list[int]:
+        """Kahn's algorithm; ``ready`` ranks the nodes whose dependencies are placed and picks the next."""
+        state = _State(self, ready)
         indegree = [len(p) for p in self.preds]
-        ready = [i for i in range(self.n) if indegree[i] == 0]
         waiting_backward: list[int] = []
         forward_left = self.n_forward
         order: list[int] = []
@@ -257,20 +257,20 @@ class ScheduleProblem:
             if self.backward[i] and forward_left > 0:
                 waiting_backward.append(i)
             else:
-                ready.append(i)
+                state.release(i)
 
-        initial, ready = ready, []
-        for i in initial:
-            release(i)
-        while ready:
-            pick = choose(state, ready)
-            ready.remove(pick)
+        for i in range(self.n):
+            if indegree[i] == 0:
+                release(i)
+        while state.n_ready:
+            pick = ready.pop(state)
             order.append(pick)
             state.run(pick)
             if not self.backward[pick]:
                 forward_left -= 1
                 if forward_left == 0:
-                    ready.extend(waiting_backward)
+                    for i in waiting_backward:
+                        state.release(i)
                     waiting_backward.clear()
             for j in self.succs[pick]:
                 indegree[j] -= 1
@@ -282,11 +282,21 @@ class ScheduleProblem:
 
 
 class _State:
-    """Live bytes and remaining readers while a greedy order is built."""
+    """Live bytes, remaining readers, and what each ready node would free, while a greedy order is built.
 
-    def __init__(self, problem: ScheduleProblem):
+    What running a ready node ``i`` frees changes only when a storage it reads is left with ``i`` as
+    its one reader, or a storage it creates with none: ``freed[i]`` is updated on those events (and
+    ``ready`` told), rather than summed again for every ready node at every step.
+    """
+
+    def __init__(self, problem: ScheduleProblem, ready: "_Ready"):
         self.problem = problem
+        self.ready = ready
         self.remaining = list(problem.n_touchers)
+        self.placed = [False] * problem.n
+        self.is_ready = [False] * problem.n
+        self.freed = [0] * problem.n
+        self.n_ready = 0
         self.live = 0
         self.peak = 0
 
@@ -302,37 +312,125 @@ class _State:
                 freed += p.sizes[s]
         return freed
 
+    def release(self, i: int) -> None:
+        """``i`` becomes ready."""
+        self.is_ready[i] = True
+        self.n_ready += 1
+        self.freed[i] = self.freed_by(i)
+        self.ready.add(i, self)
+
+    def _refresh(self, i: int) -> None:
+        if self.is_ready[i] and not self.placed[i]:
+            freed = self.freed_by(i)
+            if freed != self.freed[i]:
+                self.freed[i] = freed
+                self.ready.add(i, self)
+
     def run(self, i: int) -> None:
         p = self.problem
-        freed = self.freed_by(i)
+        self.placed[i] = True
+        self.n_ready -= 1
         self.live += p.alloc[i]
         self.peak = max(self.peak, self.live)
-        self.live -= freed
+        self.live -= self.freed[i]
         for s in p.touches[i]:
             self.remaining[s] -= 1
+            if p.to_end[s]:
+                continue
+            if self.remaining[s] == 1:
+                for t in p.touchers[s]:  # the one reader left now frees s
+                    if not self.placed[t]:
+                        self._refresh(t)
+            elif self.remaining[s] == 0:
+                self._refresh(p.creator[s])
 
 
-def _lpmf(state: _State, ready: list[int]) -> int:
-    """Least peak memory first (Inductor's ``topological_sort_lpmf`` rule)."""
-    best_below: tuple | None = None
-    best_above: tuple | None = None
-    for i in ready:
-        during = state.live + state.problem.alloc[i]
-        after = during - state.freed_by(i)
-        if during <= state.peak:
-            key = (after, i)
-            if best_below is None or key < best_below:
-                best_below = key
-        else:
-            key = (during, after, i)
-            if best_above is None or key < best_above:
-                best_above = key
-    return best_below[-1] if best_below is not None else best_above[-1]
+class _Ready:
+    """How a greedy order ranks its ready nodes; ties go to the original position.
+
+    ``add(i, state)`` is called when ``i`` becomes ready and again whenever ``state.freed[i]``
+    changes; ``pop(state)`` removes and returns the first. Heaps hold one entry per ``add``: entries
+    of placed nodes, or with an old ``freed``, are stale and dropped when they reach the top.
+    """
+
+    def add(self, i: int, state: _State) -> None:
+        raise NotImplementedError
+
+    def pop(self, state: _State) -> int:
+        raise NotImplementedError
 
 
-def _free_first(state: _State, ready: list[int]) -> int:
-    """The ready node with the smallest net allocation (frees the most)."""
-    return min(ready, key=lambda i: (state.problem.alloc[i] - state.freed_by(i), i))
+def _drop_stale(heap: list, state: _State) -> None:
+    """Pop the stale entries ``(net, i)`` off the top of ``heap`` (``net`` is ``alloc - freed``)."""
+    alloc, freed, placed = state.problem.alloc, state.freed, state.placed
+    while heap and (placed[heap[0][1]] or heap[0][0] != alloc[heap[0][1]] - freed[heap[0][1]]):
+        heapq.heappop(heap)
+
+
+class _ByRank(_Ready):
+    """The ready node with the lowest fixed ``rank[i]`` (ties: the lower ``i``)."""
+
+    def __init__(self, rank: Sequence[Any]):
+        self.rank = rank
+        self.heap: list = []
+        self.queued: set[int] = set()
+
+    def add(self, i: int, state: _State) -> None:
+        if i not in self.queued:  # the rank does not depend on what is freed
+            self.queued.add(i)
+            heapq.heappush(self.heap, (self.rank[i], i))
+
+    def pop(self, state: _State) -> int:
+        return heapq.heappop(self.heap)[1]
+
+
+class _FreeFirst(_Ready):
+    """The ready node with the smallest net allocation ``alloc - freed`` (frees the most)."""
+
+    def __init__(self):
+        self.heap: list = []
+
+    def add(self, i: int, state: _State) -> None:
+        heapq.heappush(self.heap, (state.problem.alloc[i] - state.freed[i], i))
+
+    def pop(self, state: _State) -> int:
+        _drop_stale(self.heap, state)
+        return heapq.heappop(self.heap)[1]
+
+
+class _Lpmf(_Ready):
+    """Least peak memory first (Inductor's ``topological_sort_lpmf`` rule): if some ready node would
+    not raise the peak so far (``live + alloc <= peak``), the one leaving the fewest bytes live after
+    it; else the one with the lowest peak while it runs, then the fewest bytes after.
+
+    Both orders compare ``alloc`` and ``alloc - freed`` only (``live`` is the same for every node),
+    so the ready nodes are kept in one heap of ``(alloc - freed, i)`` per distinct ``alloc``: the
+    first rule takes the best top among the heaps whose ``alloc`` fits under ``peak - live``, the
+    second the top of the heap with the smallest ``alloc``.
+    """
+
+    def __init__(self, problem: ScheduleProblem):
+        self.allocs = sorted(set(problem.alloc))
+        self.heaps: dict[int, list] = {a: [] for a in self.allocs}
+
+    def add(self, i: int, state: _State) -> None:
+        alloc = state.problem.alloc[i]
+        heapq.heappush(self.heaps[alloc], (alloc - state.freed[i], i))
+
+    def pop(self, state: _State) -> int:
+        room = state.peak - state.live
+        best: list | None = None
+        for alloc in self.allocs:
+            heap = self.heaps[alloc]
+            _drop_stale(heap, state)
+            if not heap:
+                continue
+            if alloc > room:  # nothing fits under the peak: the smallest alloc, then the fewest after
+                best = best or heap
+                break
+            if best is None or heap[0] < best[0]:
+                best = heap
+        return heapq.heappop(best)[1]
 
 
 def _bfs(problem: ScheduleProblem) -> list[int]:
@@ -341,8 +439,7 @@ def _bfs(problem: ScheduleProblem) -> list[int]:
     for i in range(problem.n):  # original order is topological
         for j in problem.preds[i]:
             depth[i] = max(depth[i], depth[j] + 1)
-    rank = {i: (depth[i], i) for i in range(problem.n)}
-    return problem.greedy(lambda state, ready: min(ready, key=rank.__getitem__))
+    return problem.greedy(_ByRank(depth))
 
 
 def _dfs(problem: ScheduleProblem) -> list[int]:
@@ -366,12 +463,16 @@ def _dfs(problem: ScheduleProblem) -> list[int]:
     placed = [False] * n
 
     def visit(root: int) -> None:
+        # a node is popped once per operand it visits: sort its operands once
+        ranked: dict[int, list[int]] = {}
         stack: list[tuple[int, int]] = [(root, 0)]
         while stack:
             v, k = stack.pop()
             if placed[v]:
                 continue
-            children = sorted(problem.preds[v], key=lambda c: (-(need[c] - out[c]), c))
+            children = ranked.get(v)
+            if children is None:
+                children = ranked[v] = sorted(problem.preds[v], key=lambda c: (-(need[c] - out[c]), c))
             while k < len(children) and placed[children[k]]:
                 k += 1
             if k < len(children):
@@ -395,8 +496,8 @@ def _dfs(problem: ScheduleProblem) -> list[int]:
 #: Candidate orders, in the order they are tried (the first of equal peaks wins).
 STRATEGIES: dict[str, Callable[[ScheduleProblem], list[int]]] = {
     "original": lambda problem: list(range(problem.n)),
-    "lpmf": lambda problem: problem.greedy(_lpmf),
-    "free_first": lambda problem: problem.greedy(_free_first),
+    "lpmf": lambda problem: problem.greedy(_Lpmf(problem)),
+    "free_first": lambda problem: problem.greedy(_FreeFirst()),
     "bfs": _bfs,
     "dfs": _dfs,
 }
@@ -438,6 +539,28 @@ def apply_schedule(graph: CapturedGraph, plan: SchedulePlan) -> CapturedGraph:
     graph.gm.graph.lint()
     graph.gm.recompile()
     return dataclasses.replace(graph)
+
+
+def _order_writers(touching: Sequence[int], writers: set[int], preds: list[set[int]]) -> None:
+    """Edges that keep each writer of one storage after the nodes touching it earlier and before
+    those touching it later (``touching``: in original order, writers included).
+
+    Each writer follows the writer before it and the readers since; each reader follows the writer
+    before it. Every other such pair is ordered through these (a reader before a later writer comes
+    before the next writer, which the writers after it follow), so k writers among n nodes cost
+    O(n) edges instead of O(k n): the writes of every step of an unrolled loop into one buffer, or
+    into one gradient accumulator, would otherwise make the problem quadratic in the steps.
+    """
+    previous: int | None = None
+    readers: list[int] = []  # since the previous writer
+    for i in touching:
+        if previous is not None:
+            preds[i].add(previous)
+        if i in writers:
+            preds[i].update(readers)
+            previous, readers = i, []
+        else:
+            readers.append(i)
 
 
 def _has_side_effects(node: torch.fx.Node) -> bool:
