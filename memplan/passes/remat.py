@@ -278,9 +278,9 @@ class RematFacts:
                 needed.append(node.name)
             unit = units.get(node.name)
             if unit is not None:
-                own = set(tensors.storages_of(unit[0]))
-                why_not = _why_not_recomputable(node, position[node.name], tensors,
-                                                {k: v for k, v in written.items() if k not in own}, in_unit=True)
+                own = frozenset(tensors.storages_of(unit[0]))  # its own writes are replayed with it
+                why_not = _why_not_recomputable(node, position[node.name], tensors, written, in_unit=True,
+                                                replayed=own)
             elif node.op == "call_function":
                 why_not = _why_not_recomputable(node, position[node.name], tensors, written)
             else:
@@ -378,7 +378,7 @@ def _output_storages(graph: CapturedGraph, tensors: Tensors) -> frozenset[int]:
 
 
 def _why_not_recomputable(node: torch.fx.Node, position: int, tensors: Tensors, last_write: Mapping[int, int],
-                          in_unit: bool = False) -> str | None:
+                          in_unit: bool = False, replayed: frozenset[int] = frozenset()) -> str | None:
     if not (isinstance(node.target, torch._ops.OpOverload) or node.target is operator.getitem):
         return "not an aten operator"
     if is_random(node):
@@ -390,7 +390,7 @@ def _why_not_recomputable(node: torch.fx.Node, position: int, tensors: Tensors, 
     touched = set(tensors.storages_of(node.name))
     for arg in node.all_input_nodes:
         touched.update(tensors.storages_of(arg.name))
-    if any(last_write.get(sid, -1) > position for sid in touched):
+    if any(last_write.get(sid, -1) > position for sid in touched if sid not in replayed):
         return "reads or is a storage that an op writes in place afterwards"
     return None
 
@@ -1460,6 +1460,16 @@ class VirtualSimulation:
         }
         self.next_id = max(self.storages, default=-1) + 1
         self.margin = step_margin(graph)
+        # What each node does in the graph as given: its inputs, the storages it creates, and those it
+        # touches (aliases or reads).
+        self.as_given = {
+            name: (
+                self.inputs.get(name, ()),
+                tuple(sid for sid in self.aliases[name] if self.storages[sid].creator == name),
+                self.aliases[name] + tuple(sid for arg in self.inputs.get(name, ()) for sid in self.aliases.get(arg, ())),
+            )
+            for name in self.order
+        }
 
     def step_peak(self, reads: Sequence[StackRead] = (), copies: CopyPlan | None = None) -> int:
         """:meth:`peak` plus :func:`step_margin`: the peak ``memplan.measure`` reports for a training step."""
@@ -1579,10 +1589,26 @@ class VirtualSimulation:
             base = self.aliases.get(name, ())
             return base if mapping is None else tuple(dict.fromkeys(mapping[sid] for sid in base))
 
+        # A node of the graph that reads no copy or slice, and no node whose storages moved, aliases and
+        # reads what it did before the plan: its storages are known without following its arguments.
+        direct = set(copies.reads) if copies is not None else set()
+        direct.update(reader[1] for reader, _ in redirect if reader[0] == "o")
+        moved: set[str] = set()  # nodes of the graph whose storages differ from the original's
         last: dict[int, int] = {}
         born: dict[int, int] = {}
+        as_given = self.as_given
         for index, item in enumerate(sequence):
             kind, what = item
+            if kind == "o" and what not in direct:
+                args, creates, touches = as_given[what]
+                if moved.isdisjoint(args):
+                    for sid in touches:
+                        last[sid] = index
+                    for sid in creates:
+                        born[sid] = index
+                    continue
+            if kind == "o" and storage_map(item) is not None:
+                moved.add(what)
             own = aliases_of(item)
             for sid in own:
                 last[sid] = index
