@@ -2,10 +2,11 @@
 
 What it does
 ------------
-``capture(model, *inputs)`` traces the model with ``make_fx`` over fake tensors (nothing big is
-allocated), with Python loops unrolled by the trace. In training mode the trace continues through
-autograd's own backward, so the graph holds the backward ops exactly in the order the autograd engine
-runs them, and a forward value used by a backward node is exactly a tensor autograd saved.
+``capture(model, *inputs)`` traces the model over fake tensors (nothing big is allocated), with
+Python loops unrolled by the trace, into the graph ``make_fx(tracing_mode="fake")`` would build. In
+training mode the trace continues through autograd's own backward, so the graph holds the backward
+ops exactly in the order the autograd engine runs them, and a forward value used by a backward node
+is exactly a tensor autograd saved.
 
 Stages
 ------
@@ -19,10 +20,13 @@ Stages
     backward starts marks the forward/backward boundary. Gradients are returned in their leaves'
     layouts: where autograd would copy one (AccumulateGrad's layout contract), in the trace or in a
     run whose tangent is a broadcast scalar, the graph makes the copy, so the plan accounts for it.
-(4) Trace with ``make_fx(tracing_mode="fake")`` under a dispatch mode that records each forward op's
-    user line and when Python releases each storage; turn data-dependent
-    control flow into :class:`~memplan.errors.CaptureError` naming the user's line.
-(5) Read what fx recorded (``val``, ``seq_nr``) and what the recorder saw once, into a frozen
+(4) Trace with :class:`memplan._capture.tracer.Tracer`, a dispatch mode that records each aten op
+    as make_fx does, but makes the fake outputs of an op it has seen on arguments of the same
+    layout from a cache instead of running the op's fake kernel again (an unrolled loop repeats a
+    few ops thousands of times); a recorder it calls after each op notes the forward op's user line
+    and when Python releases each storage. Data-dependent control flow becomes a
+    :class:`~memplan.errors.CaptureError` naming the user's line.
+(5) Read what the trace recorded (``val``, ``seq_nr``) and what the recorder saw once, into a frozen
     :class:`CapturedGraph` keyed by node name. Nothing later reads ``node.meta`` for decisions
     except the fake value of a node (``node.meta["val"]``), which is fx's own shape record.
 
@@ -51,15 +55,9 @@ import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
-from torch.fx.experimental.proxy_tensor import (
-    disable_proxy_modes_tracing,
-    get_proxy_mode,
-    get_proxy_slot,
-    make_fx,
-    track_tensor_tree,
-)
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.fx.experimental.proxy_tensor import disable_autocast_cache
 
+from memplan._capture.tracer import Tracer, new_fake_mode
 from memplan.errors import CaptureError, UnsupportedInputError
 from memplan.opschema import mutated_args
 
@@ -346,7 +344,6 @@ def capture(
     param_names, buffer_names = list(params), list(buffers)
     n_params, n_buffers, n_user = len(param_names), len(buffer_names), len(user_leaves)
     boundary: dict[str, Any] = {}
-    recorders: list[_ReleaseRecorder] = []
     out_spec_box: dict[str, Any] = {}
 
     # Step 2: a flat function over params, buffers, user leaves (and tangents).
@@ -358,22 +355,12 @@ def capture(
             return torch.func.functional_call(model, {**p, **b}, tuple(call_args), call_kwargs, strict=False)
         return model(*call_args, **call_kwargs)
 
-    def mark_boundary() -> None:
-        mode = get_proxy_mode()
-        nodes = list(mode.tracer.graph.nodes) if mode is not None else []
-        boundary["last_forward"] = nodes[-1].name if nodes else None
-
     def tag_backward(roots: list[torch.Tensor]) -> None:
-        _check_constants(model, get_proxy_mode().tracer)
-        mark_boundary()
-        recorders[0].in_backward = True
+        _check_constants(model, tracer)
+        last = tracer.graph._root.prev
+        boundary["last_forward"] = last.name if last is not tracer.graph._root else None
+        recorder.in_backward = True
         _tag_backward_with_seq_nr([t.grad_fn for t in roots if t.grad_fn is not None])
-
-    def flat_fn(*flat: torch.Tensor) -> list[Any]:
-        recorder = _ReleaseRecorder(get_proxy_mode().tracer.graph, stop=traced_body.__code__)
-        recorders.append(recorder)
-        with recorder:
-            return traced_body(flat)
 
     def traced_body(flat: Sequence[torch.Tensor]) -> list[Any]:
         out = call_model(flat)
@@ -390,12 +377,10 @@ def capture(
             sum_backward(flat_out, before_backward=tag_backward)
         else:
             diff = [t for t in flat_out if isinstance(t, torch.Tensor) and t.requires_grad]
-            with recorders[0].unwatched():
-                tangents = _tangent_placeholders(diff)
+            tangents = _tangent_placeholders(tracer, diff)
             tag_backward(diff)
             torch.autograd.backward(diff, tangents)
-            with recorders[0].unwatched():
-                relaid = _relaid_by_broadcast_tangents(tangents, grad_inputs)
+            relaid = _relaid_by_broadcast_tangents(tracer, tangents, grad_inputs)
         # AccumulateGrad copies a gradient that breaks its leaf's layout contract. Make that copy inside
         # the graph, where the plan sees it, so autograd takes ours as it is: where the trace breaks the
         # contract, and where a run breaks it when a tangent arrives as a broadcast scalar.
@@ -411,9 +396,12 @@ def capture(
 
     # Step 4: trace over fake tensors. The cyclic garbage collector is paused: a trace keeps hundreds
     # of thousands of objects alive, and full collections over them made capture superlinear in the
-    # graph's size. Tensors are freed by reference counting, which is what the release recorder reads.
+    # graph's size. Tensors are freed by reference counting, which is what the recorder reads.
     # The GraphModule is lazy: its Python code is generated when first run or read, not twice here
-    # (by make_fx, then again after the placeholders are renamed).
+    # (once traced, then again after the placeholders are renamed).
+    recorder = _Recorder(stop=traced_body.__code__)
+    tracer = Tracer(new_fake_mode(), observer=recorder)
+    recorder.graph = tracer.graph
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -421,10 +409,17 @@ def capture(
             torch.enable_grad() if train else torch.no_grad(),
             fx_traceback.preserve_node_meta(),
             _use_lazy_graph_module(True),
+            disable_autocast_cache(),
         ):
-            gm = make_fx(
-                flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True, _disable_torch_fn_metadata_mode=True
-            )(*real_flat)
+            flat = tracer.placeholders(real_flat)
+            with tracer:
+                # The list the body returns is dropped here, before the output node is made, so a tensor
+                # only it held is released after the last op; the inputs (and the gradients they hold)
+                # are released after the output node.
+                results = tracer.node_args(traced_body(flat))
+            tracer.output(results)
+            del flat
+            gm = tracer.graph_module("captured")
     except CaptureError:
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised as a domain error naming the user's line
@@ -433,7 +428,7 @@ def capture(
         if gc_was_enabled:
             gc.enable()
 
-    # Step 5: read what fx recorded, once.
+    # Step 5: read what the trace recorded, once.
     return _build_captured(
         gm,
         train=train,
@@ -446,28 +441,28 @@ def capture(
         in_spec=in_spec,
         out_spec=out_spec_box["spec"],
         n_user=n_user,
-        released=recorders[0].released_after if recorders else {},
-        recorded_sources=recorders[0].sources if recorders else {},
+        released=recorder.released_after,
+        recorded_sources=recorder.sources,
         differentiable=out_spec_box["differentiable"],
     )
 
 
-class _ReleaseRecorder(TorchDispatchMode):
+class _Recorder:
     """Watches the trace: the user's line of each forward op, and when Python releases each storage.
 
-    Release: the fake trace runs the user's Python exactly as eager would, so a traced tensor object
-    dies when the eager one would: when its variable is rebound or goes out of scope, or when autograd
-    releases it. That is when eager frees memory, which graph liveness alone cannot see. Storages are
-    keyed by their address (``_storage_key``), as ``StorageWeakRef`` compares them; the graph's fake
-    values keep every traced storage alive, so its address is not reused while the trace runs.
+    Called by the tracer after each op the traced code runs. Release: the fake trace runs the user's
+    Python exactly as eager would, so a traced tensor object dies when the eager one would: when its
+    variable is rebound or goes out of scope, or when autograd releases it. That is when eager frees
+    memory, which graph liveness alone cannot see. Storages are keyed by their address
+    (``_storage_key``), as ``StorageWeakRef`` compares them; the graph's fake values keep every traced
+    storage alive, so its address is not reused while the trace runs.
 
     Source lines: the innermost user frame below ``stop`` (the traced body), found by walking frames;
     much cheaper than formatting a whole stack per node, and backward nodes get theirs by ``seq_nr``.
     """
 
-    def __init__(self, graph: torch.fx.Graph, stop: Any):
-        super().__init__()
-        self.graph = graph
+    def __init__(self, stop: Any):
+        self.graph: torch.fx.Graph | None = None
         self.stop = stop
         self.alive: dict[int, int] = {}
         self.released_after: dict[int, str] = {}
@@ -475,16 +470,6 @@ class _ReleaseRecorder(TorchDispatchMode):
         self.in_backward = False
         self._user_file: dict[str, bool] = {}
         self._watches: dict[int, weakref.ref] = {}
-        self._watching = True
-
-    @contextlib.contextmanager
-    def unwatched(self) -> Iterator[None]:
-        """Tensors made inside are not watched: graph inputs made by capture, which no user code holds."""
-        self._watching = False
-        try:
-            yield
-        finally:
-            self._watching = True
 
     def _user_line(self) -> SourceLine | None:
         frame = sys._getframe(2)
@@ -500,14 +485,8 @@ class _ReleaseRecorder(TorchDispatchMode):
             frame = frame.f_back
         return None
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is _DEVICE_QUERY:
-            # Most dispatches of a trace (autograd and kernels ask each fake tensor its device); they
-            # make no node and no tensor, so there is nothing to record.
-            return func(*args, **(kwargs or {}))
+    def __call__(self, last: torch.fx.Node, out: Any) -> None:
         root = self.graph._root
-        last = root.prev
-        out = func(*args, **(kwargs or {}))
         if not self.in_backward and root.prev is not last:
             line = self._user_line()
             if line is not None:
@@ -515,15 +494,14 @@ class _ReleaseRecorder(TorchDispatchMode):
                 while node is not root:
                     self.sources[node.name] = line
                     node = node.next
-        if not self._watching:
-            return out
+        self._watch_all(out)
+
+    def _watch_all(self, out: Any) -> None:
         if isinstance(out, torch.Tensor):
             self._watch(out)
-        else:
-            for tensor in pytree.tree_leaves(out):
-                if isinstance(tensor, torch.Tensor):
-                    self._watch(tensor)
-        return out
+        elif isinstance(out, (tuple, list)):
+            for item in out:
+                self._watch_all(item)
 
     def _watch(self, tensor: torch.Tensor) -> None:
         key = _storage_key(tensor)
@@ -539,7 +517,6 @@ class _ReleaseRecorder(TorchDispatchMode):
             self.released_after[key] = root.prev.name
 
 
-_DEVICE_QUERY = torch.ops.prim.device.default
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
@@ -606,7 +583,7 @@ def _is_dense(tensor: torch.Tensor) -> bool:
     return True
 
 
-def _relaid_by_broadcast_tangents(tangents: list[torch.Tensor], leaves: list[torch.Tensor]) -> set[int]:
+def _relaid_by_broadcast_tangents(tracer: Tracer, tangents: list[torch.Tensor], leaves: list[torch.Tensor]) -> set[int]:
     """Positions of the ``leaves`` whose gradient breaks the leaf's layout contract when tangents arrive as
     broadcast scalars, though it keeps it in the trace.
 
@@ -618,13 +595,10 @@ def _relaid_by_broadcast_tangents(tangents: list[torch.Tensor], leaves: list[tor
     where an op reads values that two tangents change (with three or more tangents, broadcasting some
     but not all is not examined).
     """
-    tracer = get_proxy_mode().tracer
     graph = tracer.graph
-    tangent_nodes = [get_proxy_slot(t, tracer).proxy.node for t in tangents]
-    grad_nodes = {
-        i: get_proxy_slot(leaf.grad, tracer).proxy.node for i, leaf in enumerate(leaves) if leaf.grad is not None
-    }
-    with disable_proxy_modes_tracing():
+    tangent_nodes = [tracer.node_of(t) for t in tangents]
+    grad_nodes = {i: tracer.node_of(leaf.grad) for i, leaf in enumerate(leaves) if leaf.grad is not None}
+    with tracer.paused():
         scenarios = [_restrided_values(graph, [node]) for node in tangent_nodes]
         if _meet(graph, scenarios):
             scenarios.append(_restrided_values(graph, tangent_nodes))
@@ -704,27 +678,20 @@ def _check_constants(model: Any, tracer: Any) -> None:
             )
 
 
-def _tangent_placeholders(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+def _tangent_placeholders(tracer: Tracer, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """New graph inputs, one per differentiable output: the (dense) gradient flowing into it.
 
     Added while tracing, once the forward has produced the outputs, so their shapes need no separate
     forward. They go after the other placeholders, with their autograd sequence number (the counter
     before the trace, which no op has), and their fake values are zeros made outside the graph, like
-    the values make_fx makes for its inputs.
+    the fake values of the other inputs.
     """
-    tracer = get_proxy_mode().tracer
-    graph = tracer.graph
-    with disable_proxy_modes_tracing():
+    with tracer.paused():
         values = [torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in outputs]
-    first = next(iter(graph.nodes), None)
+    first = next(iter(tracer.graph.nodes), None)
     input_seq_nr = first.meta.get("seq_nr") if first is not None and first.op == "placeholder" else None
-    first_op = next((node for node in graph.nodes if node.op != "placeholder"), None)
-    with graph.inserting_before(first_op) if first_op is not None else contextlib.nullcontext():
-        for value in values:
-            proxy = tracer.create_proxy("placeholder", "tangent", (), {})
-            if input_seq_nr is not None:
-                proxy.node.meta["seq_nr"] = input_seq_nr
-            track_tensor_tree(value, proxy, constant=None, tracer=tracer)
+    for value in values:
+        tracer.add_placeholder(value, "tangent", input_seq_nr)
     return values
 
 
@@ -774,11 +741,6 @@ def _rename_placeholders(
     gm.recompile()
 
 
-# What make_fx records on a node besides ``val`` and ``seq_nr``: the aten operator (a copy of the target)
-# and fx's ShapeProp summary (the same facts as ``val``).
-_UNREAD_META = ("original_aten", "tensor_meta")
-
-
 def _build_captured(
     gm: torch.fx.GraphModule,
     *,
@@ -797,14 +759,10 @@ def _build_captured(
     recorded_sources: Mapping[str, SourceLine],
 ) -> CapturedGraph:
     # A backward op may return None for a gradient nobody needs (e.g. convolution_backward's
-    # output_mask); make_fx records no value for the getitem reading it. Its value is None.
-    # make_fx also records a copy of the node's operator and a summary of its value, which nothing
-    # reads: dropped, they no longer weigh on every garbage collection and graph copy.
+    # output_mask); the trace records no value for the getitem reading it. Its value is None.
     for node in gm.graph.nodes:
         if node.op == "call_function" and "val" not in node.meta:
             node.meta["val"] = None
-        for key in _UNREAD_META:
-            node.meta.pop(key, None)
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     kinds = ["parameter"] * len(param_names) + ["buffer"] * len(buffer_names) + ["input"] * n_user

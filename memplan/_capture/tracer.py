@@ -1,0 +1,560 @@
+"""A recording dispatch mode over fake tensors: the graph ``make_fx(tracing_mode="fake")`` builds, built faster.
+
+Why not make_fx
+---------------
+make_fx stacks a proxy mode over a fake tensor mode. For every aten op it flattens the arguments with pytree,
+builds the fake tensor cache key, makes the output from the cache or runs the op's meta kernel (for pointwise
+ops a Python reference implementation, slower than the meta kernel of a matrix product), snapshots the output
+and creates the fx node through several layers of hooks. A Python-unrolled loop repeats the same few ops on the
+same shapes thousands of times, and this per-op work, not the graph, is what capture spent its time on.
+
+What the tracer does for each op
+--------------------------------
+(1) ``prim.device`` queries (most dispatches: autograd asks each fake tensor its device) are answered at once
+    from the fake tensor.
+(2) An op that autograd would have decomposed is decomposed, and ``is_nonzero`` becomes ``item()``, as in
+    make_fx.
+(3) Cache key: the op, each tensor argument's metadata (shape, strides, offset, dtype, device, storage size),
+    the other arguments, and the global state a factory reads (default dtype and device, inference mode).
+(4) On a hit the outputs are made from the cached recipe: a new meta tensor in the recorded layout, a view of
+    the recorded argument's storage, or the argument itself (in-place ops), each wrapped as a fake tensor.
+    On a miss the op runs under the fake tensor mode exactly as in make_fx, and its outputs give the recipe
+    when they fit one (see :meth:`Tracer._recipe`).
+(5) One fx node per op, with make_fx's name, ``seq_nr`` and ``val`` (a fake alias of the output that autograd
+    never sees), then one ``getitem`` node per element of a list or tuple output.
+
+The recipe is a function of the key because an aten op's output layout and aliasing depend only on its
+arguments' metadata. Ops for which that does not hold (data-dependent outputs, dynamic output shapes, in-place
+changes of a view's metadata, custom ops, ops with a ``CompositeImplicitAutograd`` kernel) are never cached;
+neither is a call with a constant or a real (non-fake) tensor argument. Those take the slow path,
+:meth:`Tracer._slow`, which follows make_fx's ``proxy_call``: real tensors become ``get_attr`` constants and
+constants of one element are computed for real, so ``torch.tensor(2.0).item()`` still works.
+
+What make_fx does that the tracer does not: symbolic shapes, pre-dispatch tracing, decomposition tables,
+higher-order operators (``torch.cond``), and the per-node bookkeeping capture drops anyway (``tensor_meta``,
+``original_aten``, module scopes). Its dead-code elimination removes only symbolic-size accessors, which a
+static-shape trace never makes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+import torch.fx.traceback as fx_traceback
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode,
+    _pop_mode_temporarily,
+    autograd_would_have_decomposed,
+)
+
+__all__ = ["Tracer", "new_fake_mode"]
+
+aten = torch.ops.aten
+_DEVICE_QUERY = torch.ops.prim.device.default
+# make_fx computes a constant's result for real only when it has at most this many elements.
+_CONSTANT_NUMEL_LIMIT = 1
+# Where a traced fake tensor keeps ``(tracer, node, constant)``: the node that made it and, for a constant
+# (from ``torch.tensor(...)``), its real value.
+_TRACED = "_memplan_traced"
+_SCALARS = frozenset(
+    {int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format}
+)
+_UNCACHEABLE = "uncacheable"
+
+
+class _Uncacheable(Exception):
+    """A call whose outputs cannot be made from a recipe (raised while building its key or its recipe)."""
+
+
+def new_fake_mode() -> FakeTensorMode:
+    """The fake tensor mode make_fx creates for ``tracing_mode="fake"``: static shapes, real inputs allowed."""
+    import torch._functorch.config as functorch_config
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    with functorch_config.patch(fake_tensor_allow_unsafe_data_ptr_access=False):
+        return FakeTensorMode(
+            allow_fallback_kernels=True, allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True
+        )
+
+
+class _Op:
+    """What the tracer needs to know about an operator, worked out once."""
+
+    __slots__ = ("name", "cacheable", "decomposable", "absolute")
+
+    def __init__(self, func: Any, graph: torch.fx.Graph):
+        overload = isinstance(func, torch._ops.OpOverload)
+        self.name = graph._target_to_str(func.overloadpacket.__name__) if overload else None
+        self.decomposable = overload and torch._C._dispatch_has_kernel_for_dispatch_key(
+            func.name(), torch._C.DispatchKey.CompositeImplicitAutograd
+        )
+        tags = set(func.tags) if overload else set()
+        self.cacheable = (
+            overload
+            and func.namespace in ("aten", "prims")
+            and not self.decomposable
+            and not tags & {torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape, torch.Tag.inplace_view}
+            and func not in (aten.lift_fresh.default, aten.lift_fresh_copy.default, aten.is_nonzero.default)
+        )
+        # A view's offset is its base's plus a step the other arguments fix, except for ops told the
+        # offset itself (as_strided): their keys hold the arguments' offsets.
+        self.absolute = overload and any(arg.name == "storage_offset" for arg in func._schema.arguments)
+
+
+class Tracer(TorchDispatchMode):
+    """Records every aten op run on its fake tensors into :attr:`graph`.
+
+    Parameters
+    ----------
+    fake_mode : FakeTensorMode
+        The mode of every traced tensor; see :func:`new_fake_mode`.
+    observer : callable, optional
+        ``observer(first, out)`` after each op the traced code calls (not the ops a decomposition calls), with
+        the graph's last node before the op and the op's outputs.
+    """
+
+    def __init__(self, fake_mode: FakeTensorMode, observer: Callable[[torch.fx.Node, Any], None] | None = None):
+        super().__init__()
+        self.fake_mode = fake_mode
+        self.graph = torch.fx.Graph()
+        self.root = torch.nn.Module()
+        self.observer = observer
+        self._ops: dict[Any, _Op] = {}
+        self._cache: dict[tuple, Any] = {}
+        self._depth = 0
+        self._tensor_attrs: dict[torch.Tensor, str] = {}
+        self._qualname_counter: dict[str, int] = {}
+        self._wrap = _FakeWrapper(fake_mode)
+
+    # ------------------------------------------------------------------------------------------
+    # graph inputs and outputs
+
+    def placeholders(self, reals: Sequence[torch.Tensor]) -> list[FakeTensor]:
+        """Fake copies of ``reals``, each a graph input (named like make_fx's, ``arg0_1``...)."""
+        from torch._dynamo.source import ConstantSource
+
+        fakes = [self.fake_mode.from_tensor(real, source=ConstantSource(f"input{i}")) for i, real in enumerate(reals)]
+        for i, fake in enumerate(fakes):
+            name = f"arg{i}_1"
+            self._track(fake, self._node("placeholder", name, (), {}, name), None)
+        return fakes
+
+    def add_placeholder(self, value: FakeTensor, target: str, seq_nr: int | None) -> torch.fx.Node:
+        """One more graph input holding ``value``, placed after the other inputs."""
+        first_op = next((node for node in self.graph.nodes if node.op != "placeholder"), None)
+        with self.graph.inserting_before(first_op) if first_op is not None else contextlib.nullcontext():
+            node = self._node("placeholder", target, (), {}, None)
+        if seq_nr is not None:
+            node.meta["seq_nr"] = seq_nr
+        with self._untraced():
+            self._track(value, node, None)
+        return node
+
+    def node_args(self, values: Sequence[Any]) -> list[Any]:
+        """``values`` as graph arguments: traced tensors become their nodes, other tensors constants."""
+        return self._node_arg(list(values))
+
+    def output(self, args: list[Any]) -> torch.fx.Node:
+        """The output node returning ``args`` (from :meth:`node_args`)."""
+        return self._node("output", "output", (args,), {}, None)
+
+    def graph_module(self, name: str) -> torch.fx.GraphModule:
+        return torch.fx._lazy_graph_module._make_graph_module(self.root, self.graph, name)
+
+    def node_of(self, tensor: torch.Tensor) -> torch.fx.Node:
+        """The node whose value ``tensor`` is (the last op that wrote it, for in-place ops)."""
+        traced = getattr(tensor, _TRACED, None)
+        if traced is None or traced[0] is not self:
+            raise KeyError("tensor was not made by this trace")
+        return traced[1]
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Run ops on the fake tensors without recording them (under the fake mode, as make_fx would)."""
+        with self._untraced(), self.fake_mode:
+            yield
+
+    @contextlib.contextmanager
+    def _untraced(self) -> Iterator[None]:
+        """Take the tracer off the dispatch mode stack while inside (it must be innermost when it is on it)."""
+        if _get_current_dispatch_mode() is not self:
+            yield
+            return
+        with _pop_mode_temporarily():
+            yield
+
+    # ------------------------------------------------------------------------------------------
+    # dispatch
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE_QUERY:
+            return args[0].fake_device
+        kwargs = kwargs or {}
+        last = self.graph._root.prev
+        self._depth += 1
+        try:
+            out = self._dispatch(func, args, kwargs)
+        finally:
+            self._depth -= 1
+        if self._depth == 0 and self.observer is not None:
+            self.observer(last, out)
+        return out
+
+    def _dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        op = self._ops.get(func)
+        if op is None:
+            op = self._ops[func] = _Op(func, self.graph)
+        key = None
+        if op.cacheable:
+            # Step 3: the key; Step 4: a hit makes the outputs from the recipe.
+            try:
+                key = (
+                    func,
+                    self._key(args, op.absolute),
+                    self._key(kwargs.values(), op.absolute) if kwargs else None,
+                    tuple(kwargs) if kwargs else None,
+                    torch.get_default_dtype(),
+                    torch._C._get_default_device(),
+                    torch.is_inference_mode_enabled(),
+                )
+            except _Uncacheable:
+                key = None
+            else:
+                recipe = self._cache.get(key)
+                if recipe is not None and recipe is not _UNCACHEABLE:
+                    out, vals = self._make(recipe, args, kwargs)
+                    node = self._node("call_function", func, self._node_arg(args), self._node_arg(kwargs), op.name)
+                    self._track(out, node, None, vals)
+                    return out
+                if recipe is _UNCACHEABLE:
+                    key = None
+        elif op.decomposable and func not in (aten.size.default, aten.stride.default, aten.storage_offset.default):
+            # Step 2: decompose as autograd would have (make_fx does the same below autograd).
+            if autograd_would_have_decomposed(func, _tensors_in((args, kwargs))):
+                with self:
+                    out = func.decompose(*args, **kwargs)
+                if out is not NotImplemented:
+                    return out
+        if func is aten.is_nonzero.default:
+            with self:
+                torch._check(args[0].numel() == 1, lambda: "Boolean value of Tensor with more than one value is ambiguous")
+                return (args[0] != 0).item()
+        out = self._slow(func, args, kwargs)
+        if key is not None:
+            try:
+                self._cache[key] = self._recipe(args, kwargs, out)
+            except _Uncacheable:
+                self._cache[key] = _UNCACHEABLE
+        return out
+
+    def _slow(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Run ``func`` under the fake mode and record it, following make_fx's ``proxy_call``."""
+        tensors = _tensors_in((args, kwargs))
+        constants = [getattr(t, _TRACED, (None, None, None))[2] for t in tensors if self._traces(t)]
+        all_constant = all(c is not None for c in constants)
+        tags = func.tags if isinstance(func, torch._ops.OpOverload) else ()
+        if torch.Tag.data_dependent_output in tags:
+            if all_constant:
+                # e.g. torch.tensor(2.0).item(): the value is known, and no node is made.
+                return func(*self._constant_arg(args), **self._constant_arg(kwargs))
+            if all(not isinstance(t, FakeTensor) for t in tensors):
+                raise RuntimeError(
+                    f"It appears that you're trying to get value out of a tracing tensor with {func} - erroring out! "
+                    "It's likely that this is caused by data-dependent control flow or similar."
+                )
+        if func is aten.lift_fresh.default:
+            # torch.tensor(...) lifts a fresh real tensor; the graph copies the constant, as make_fx's does.
+            func = aten.lift_fresh_copy.default
+        op = self._ops.get(func) or _Op(func, self.graph)
+        node = self._node("call_function", func, self._node_arg(args), self._node_arg(kwargs), op.name)
+        with self.fake_mode:
+            out = func(*args, **kwargs)
+        constant = None
+        if func is aten.lift_fresh_copy.default and out.numel() <= _CONSTANT_NUMEL_LIMIT:
+            constant = args[0].clone()
+        elif (
+            torch.Tag.nondeterministic_seeded not in tags
+            and all_constant
+            and any(c is not None for c in constants)
+            and all(t.numel() <= _CONSTANT_NUMEL_LIMIT for t in _tensors_in(out))
+        ):
+            constant = func(*self._constant_arg(args), **self._constant_arg(kwargs))
+        self._track(out, node, constant)
+        return out
+
+    # ------------------------------------------------------------------------------------------
+    # the cache
+
+    def _key(self, values: Any, absolute: bool) -> tuple:
+        key = []
+        for value in values:
+            kind = type(value)
+            if kind is FakeTensor:
+                traced = getattr(value, _TRACED, None)
+                if traced is None or traced[0] is not self or traced[2] is not None or value.dtype.is_complex:
+                    raise _Uncacheable
+                try:
+                    stride = value.stride()
+                except RuntimeError as exc:  # a sparse tensor has no strides
+                    raise _Uncacheable from exc
+                key.append(
+                    (value.shape, stride, value.storage_offset() if absolute else None, value.dtype,
+                     value.fake_device, value.untyped_storage().nbytes())
+                )
+            elif kind in _SCALARS:
+                key.append((kind, value))
+            elif kind is list or kind is tuple:
+                key.append((kind, self._key(value, absolute)))
+            else:
+                raise _Uncacheable
+        return tuple(key)
+
+    def _recipe(self, args: tuple, kwargs: dict, out: Any) -> Any:
+        """How to make ``out`` again from arguments with the same key, or raise :class:`_Uncacheable`.
+
+        Each tensor is ``("same", where)`` (the argument itself: in-place and ``out=`` ops), ``("view", where,
+        step, shape, stride, dtype, device)`` (a view of that argument's storage, ``step`` elements past the
+        argument's own offset), or ``("fresh", shape,
+        stride, dtype, device)`` (a new storage, exactly as large as the layout needs); ``where`` is
+        ``(True, position)`` or ``(False, keyword)``. A tensor sharing storage with a fresh output or with an
+        argument nested in a list, or ambiguously with two arguments, makes the call uncacheable.
+
+        (A method, not a recursive closure: a closure that calls itself is a reference cycle, and with the
+        garbage collector paused it would keep the arguments alive, which the release recorder would see.)
+        """
+        top = [((True, i), a) for i, a in enumerate(args)] + [((False, k), a) for k, a in kwargs.items()]
+        top = [(where, a) for where, a in top if isinstance(a, FakeTensor)]
+        nested = {t.untyped_storage()._cdata for t in _tensors_in((args, kwargs))}
+        return self._recipe_of(out, top, nested, set())
+
+    def _recipe_of(self, value: Any, top: list, nested: set[int], fresh: set[int]) -> Any:
+        kind = type(value)
+        if kind is FakeTensor:
+            for where, arg in top:
+                if value is arg:
+                    return ("same", where)
+            if value.fake_mode is not self.fake_mode or value.constant is not None or value.layout != torch.strided:
+                raise _Uncacheable
+            storage = value.untyped_storage()
+            layout = (tuple(value.shape), tuple(value.stride()), value.dtype, value.fake_device)
+            matches = [(where, arg) for where, arg in top if arg.untyped_storage()._cdata == storage._cdata]
+            if len(matches) == 1:
+                where, base = matches[0]
+                return ("view", where, value.storage_offset() - base.storage_offset()) + layout
+            if matches or storage._cdata in nested or storage._cdata in fresh or value.storage_offset() != 0:
+                raise _Uncacheable
+            fresh.add(storage._cdata)
+            shape, stride, dtype, _ = layout
+            if torch.empty_strided(shape, stride, dtype=dtype, device="meta").untyped_storage().nbytes() != storage.nbytes():
+                raise _Uncacheable
+            return ("fresh",) + layout
+        if kind is list or kind is tuple:
+            return (kind, tuple(self._recipe_of(item, top, nested, fresh) for item in value))
+        if value is None or kind in (int, float, bool):
+            return ("const", value)
+        raise _Uncacheable
+
+    def _make(self, recipe: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+        """Outputs from ``recipe``, and beside each tensor the fake alias that becomes its node's ``val``."""
+        kind = recipe[0]
+        if kind == "fresh":
+            _, shape, stride, dtype, device = recipe
+            elem = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+            return self._wrap(elem, device), self._wrap(elem, device)
+        if kind == "view":
+            _, (positional, where), step, shape, stride, dtype, device = recipe
+            base = args[where] if positional else kwargs[where]
+            elem = torch.empty((0,), dtype=dtype, device="meta").set_(
+                base.untyped_storage(), base.storage_offset() + step, shape, stride
+            )
+            return self._wrap(elem, device), self._wrap(elem, device)
+        if kind == "same":
+            _, (positional, where) = recipe
+            value = args[where] if positional else kwargs[where]
+            return value, self._alias(value)
+        if kind == "const":
+            return recipe[1], None
+        pairs = [self._make(item, args, kwargs) for item in recipe[1]]
+        return kind(out for out, _ in pairs), kind(val for _, val in pairs)
+
+    # ------------------------------------------------------------------------------------------
+    # nodes and tracked tensors
+
+    def _node(self, op: str, target: Any, args: tuple, kwargs: dict, name: str | None) -> torch.fx.Node:
+        """A graph node with make_fx's ``seq_nr``: the running backward node's, or the last autograd node made."""
+        node = self.graph.create_node(op, target, args, kwargs, name)
+        meta = fx_traceback.current_meta
+        if meta.get("in_grad_fn", 0) > 0:
+            node.meta["seq_nr"] = meta["grad_fn_seq_nr"][-1]
+        else:
+            node.meta["seq_nr"] = torch.autograd._get_sequence_nr() - 1
+        return node
+
+    def _track(self, value: Any, node: torch.fx.Node, constant: Any, vals: Any = None) -> None:
+        """Make ``node`` the source of the tensors in ``value`` and record its ``val`` (getitem nodes for sequences)."""
+        if isinstance(value, torch.Tensor):
+            setattr(value, _TRACED, (self, node, constant))
+            node.meta["val"] = vals if vals is not None else self._alias(value)
+        elif isinstance(value, (list, tuple)):
+            node.meta["val"] = vals if vals is not None else self._val(value)
+            for i, item in enumerate(value):
+                child = self._node("call_function", operator.getitem, (node, i), {}, None)
+                self._track(
+                    item,
+                    child,
+                    constant[i] if constant is not None else None,
+                    vals[i] if vals is not None else None,
+                )
+
+    def _val(self, value: Any) -> Any:
+        if isinstance(value, FakeTensor):
+            return self._alias(value)
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._val(item) for item in value)
+        return value
+
+    def _alias(self, value: FakeTensor) -> FakeTensor:
+        """A fake tensor sharing ``value``'s storage and layout, unknown to autograd (make_fx's ``val``)."""
+        elem = torch.empty((0,), dtype=value.dtype, device="meta").set_(
+            value.untyped_storage(), value.storage_offset(), value.shape, value.stride()
+        )
+        if value.fake_mode is not self.fake_mode:
+            return FakeTensor(value.fake_mode, elem, value.fake_device)
+        return self._wrap(elem, value.fake_device)
+
+    def _traces(self, value: Any) -> bool:
+        traced = getattr(value, _TRACED, None)
+        return traced is not None and traced[0] is self
+
+    def _node_arg(self, value: Any) -> Any:
+        """``value`` with traced tensors replaced by their nodes and other tensors by ``get_attr`` constants."""
+        kind = type(value)
+        if kind in _SCALARS:
+            return value
+        if isinstance(value, torch.Tensor):
+            traced = getattr(value, _TRACED, None)
+            if traced is not None and traced[0] is self:
+                return traced[1]
+            return self._constant_node(value)
+        if kind is list or kind is tuple:
+            return kind(self._node_arg(item) for item in value)
+        if kind is dict:
+            return {k: self._node_arg(v) for k, v in value.items()}
+        return value
+
+    def _constant_arg(self, value: Any) -> Any:
+        """``value`` with traced constants replaced by their real values."""
+        if isinstance(value, torch.Tensor):
+            traced = getattr(value, _TRACED, None)
+            return traced[2] if traced is not None and traced[0] is self else value
+        if type(value) in (list, tuple):
+            return type(value)(self._constant_arg(item) for item in value)
+        if type(value) is dict:
+            return {k: self._constant_arg(v) for k, v in value.items()}
+        return value
+
+    def _constant_node(self, tensor: torch.Tensor) -> torch.fx.Node:
+        """A ``get_attr`` node for a tensor the trace did not make, stored on :attr:`root` as fx stores it."""
+        if isinstance(tensor, torch.nn.Parameter):
+            qualname = next((name for name, p in self.root.named_parameters() if p is tensor), None)
+            if qualname is None:
+                qualname = self._fresh_qualname("_param_constant")
+                setattr(self.root, qualname, tensor)
+        else:
+            qualname = self._tensor_attrs.get(tensor)
+            if qualname is None:
+                qualname = self._tensor_attrs[tensor] = self._fresh_qualname("_tensor_constant")
+                setattr(self.root, qualname, tensor)
+        node = self._node("get_attr", qualname, (), {}, None)
+        if isinstance(tensor, FakeTensor):
+            node.meta["val"] = self._alias(tensor)
+        else:
+            with self.fake_mode:
+                node.meta["val"] = torch.empty_strided(
+                    tensor.shape, tensor.stride(), device=tensor.device, dtype=tensor.dtype
+                )
+        return node
+
+    def _fresh_qualname(self, prefix: str) -> str:
+        """fx's ``Tracer.get_fresh_qualname``: ``prefix0``, ``prefix1``..., the first not on :attr:`root`."""
+        qualname = f"{prefix}0"
+        if not hasattr(self.root, qualname):
+            self._qualname_counter[prefix] = 0
+            return qualname
+        i = self._qualname_counter[prefix]
+        while True:
+            qualname = f"{prefix}{i}"
+            i += 1
+            if not hasattr(self.root, qualname):
+                break
+        self._qualname_counter[prefix] = i
+        return qualname
+
+
+class _FakeWrapper:
+    """``FakeTensor(fake_mode, elem, device)`` for a meta tensor ``elem``, without the constructor's Python work.
+
+    The constructor checks its arguments, normalises the device and then sets a dozen attributes that are
+    the same for every new fake tensor of the mode. Here the first tensor on each device is made by the
+    constructor and its attributes are copied onto the next ones. Where ``Tensor._make_subclass`` does not
+    take the constructor's arguments (another torch version) or the copy differs from the constructor's
+    tensor, every tensor is made by the constructor.
+    """
+
+    def __init__(self, fake_mode: FakeTensorMode):
+        self.fake_mode = fake_mode
+        self._state: dict[torch.device, dict[str, Any]] = {}
+        self._fast = True
+        probe = torch.empty((2, 3), device="meta")
+        device = torch.device("cpu")
+        try:
+            expected = FakeTensor(fake_mode, probe, device)
+            self._state[device] = dict(expected.__dict__)
+            made = self(probe, device)
+            self._fast = (
+                type(made) is FakeTensor
+                and made.__dict__ == expected.__dict__
+                and made.device == expected.device
+                and made.untyped_storage()._cdata == expected.untyped_storage()._cdata
+            )
+        except (TypeError, RuntimeError):
+            self._fast = False
+        self._state.clear()
+
+    def __call__(self, elem: torch.Tensor, device: torch.device) -> FakeTensor:
+        state = self._state.get(device) if self._fast else None
+        if state is None:
+            made = FakeTensor(self.fake_mode, elem, device)
+            self._state[device] = dict(made.__dict__)
+            return made
+        made = torch.Tensor._make_subclass(
+            FakeTensor, elem, False, dispatch_device=True, device_for_backend_keys=device
+        )
+        if self.fake_mode._allow_unsafe_data_ptr_access:
+            torch._C._set_warn_deprecated_on_mutable_data_ptr(made)
+        else:
+            torch._C._set_throw_on_mutable_data_ptr(made)
+        made.__dict__.update(state)
+        return made
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value``, nested in lists, tuples and dicts, in order."""
+    found: list[torch.Tensor] = []
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif type(item) in (list, tuple):
+            stack.extend(reversed(item))
+        elif type(item) is dict:
+            stack.extend(reversed(list(item.values())))
+    return found
