@@ -14,12 +14,24 @@ from typing import Any
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx._lazy_graph_module import _LazyGraphModule
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from memplan.capture import CapturedGraph, Phase
 from memplan.opschema import is_pure_view, mutated_args
 
-__all__ = ["packet_name", "is_random", "mutated_args", "is_pure_view", "fake_value", "copy_graph", "GraphEditor"]
+__all__ = [
+    "packet_name",
+    "is_random",
+    "mutated_args",
+    "is_pure_view",
+    "fake_value",
+    "same_geometry",
+    "rebuilt_value",
+    "copy_graph",
+    "GraphEditor",
+]
 
 
 def packet_name(node: torch.fx.Node) -> str:
@@ -73,6 +85,52 @@ def fake_value(target: Callable[..., Any], args: tuple, kwargs: dict | None = No
     mode = _fake_mode_of(pytree.tree_leaves((fake_args, fake_kwargs)))
     with mode:
         return target(*fake_args, **fake_kwargs)
+
+
+def same_geometry(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, strides, offset, dtype and storage size: views of either have the same metadata."""
+    return (a.shape == b.shape and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
+            and a.dtype == b.dtype and a.untyped_storage().nbytes() == b.untyped_storage().nbytes())
+
+
+def rebuilt_value(value: Any, storage_of: dict[StorageWeakRef, Any], *, fresh: bool = True) -> Any:
+    """``value`` with the same metadata on other storages: ``storage_of`` maps an old storage to its new
+    one; a storage not in it gets a fresh one (shared by every tensor of ``value`` that had it), or with
+    ``fresh=False`` makes this return None.
+
+    This is the fake value of a copy of a node whose arguments have the layout of the original's, or of
+    a view whose input moved to another storage of the same layout: the op would produce the same
+    metadata, and alias the arguments it aliased before. Building it directly is about ten times faster
+    than running the op under the fake mode, which matters when a pass copies or re-derives tens of
+    thousands of nodes. Returns None when ``value`` holds something else than fake tensors.
+    """
+    def convert(tensor: Any) -> Any:
+        mode = getattr(tensor, "fake_mode", None)
+        if mode is None:
+            raise _NotRebuilt
+        key = StorageWeakRef(tensor.untyped_storage())
+        storage = storage_of.get(key)
+        if storage is None:
+            if not fresh:
+                raise _NotRebuilt
+            storage = storage_of[key] = torch.UntypedStorage(tensor.untyped_storage().nbytes(), device="meta")
+        meta = torch.empty(0, dtype=tensor.dtype, device="meta").set_(
+            storage, tensor.storage_offset(), tensor.shape, tensor.stride()
+        )
+        return FakeTensor(mode, meta, tensor.device)
+
+    try:
+        if isinstance(value, torch.Tensor):
+            return convert(value)
+        if isinstance(value, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in value):
+            return type(value)(convert(v) for v in value)
+    except (_NotRebuilt, RuntimeError):
+        return None
+    return None
+
+
+class _NotRebuilt(Exception):
+    """A value that cannot be rebuilt (the slow path is taken)."""
 
 
 class GraphEditor:

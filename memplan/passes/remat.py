@@ -53,7 +53,7 @@ Apply (:func:`apply_recompute`, shared with the ``timesteps`` pass): a plan is a
 and holds the value, else its parent's, else the original (saved) value. Copies are made on demand (a
 group recomputes just what its consumers need), each immediately before its earliest consumer, inputs
 first; an in-place unit is replayed whole on a fresh storage, its views re-derived with ``as_strided``
-after each write. Fake values of copies are built from the originals' metadata (:func:`_rebuilt`).
+after each write. Fake values of copies are built from the originals' metadata (:func:`~memplan.graphutil.rebuilt_value`).
 
 Preconditions
 -------------
@@ -101,14 +101,21 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation, step_margin
 from memplan.analysis.tensors import Tensors, tensor_values
 from memplan.capture import CapturedGraph, Phase
-from memplan.graphutil import GraphEditor, fake_value, is_random, mutated_args, packet_name
+from memplan.graphutil import (
+    GraphEditor,
+    fake_value,
+    is_random,
+    mutated_args,
+    packet_name,
+    rebuilt_value,
+    same_geometry,
+)
 from memplan.measure import format_bytes
 from memplan.pipeline import PassContext, PassResult, PassStats, pass_options, register_pass
 from memplan.policy import Candidate, Policy
@@ -630,7 +637,7 @@ def retarget(reader: torch.fx.Node, old: torch.fx.Node, new: torch.fx.Node) -> N
     reader.replace_input_with(old, new)
     olds, news = tensor_values(old), tensor_values(new)
     stale = {StorageWeakRef(v.untyped_storage()) for _, v in olds}
-    same_layout = len(olds) == len(news) and all(_same_geometry(a, b) for (_, a), (_, b) in zip(olds, news))
+    same_layout = len(olds) == len(news) and all(same_geometry(a, b) for (_, a), (_, b) in zip(olds, news))
     storage_of = {StorageWeakRef(a.untyped_storage()): b.untyped_storage() for (_, a), (_, b) in zip(olds, news)}
     stack = [reader]
     while stack:
@@ -639,50 +646,9 @@ def retarget(reader: torch.fx.Node, old: torch.fx.Node, new: torch.fx.Node) -> N
             continue
         if not any(StorageWeakRef(v.untyped_storage()) in stale for _, v in tensor_values(node)):
             continue
-        rebuilt = _rebuilt(node.meta.get("val"), storage_of) if same_layout else None
+        rebuilt = rebuilt_value(node.meta.get("val"), storage_of) if same_layout else None
         node.meta["val"] = rebuilt if rebuilt is not None else fake_value(node.target, node.args, node.kwargs)
         stack.extend(node.users)
-
-
-def _same_geometry(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.shape == b.shape and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
-            and a.dtype == b.dtype and a.untyped_storage().nbytes() == b.untyped_storage().nbytes())
-
-
-def _rebuilt(value: Any, storage_of: dict[StorageWeakRef, Any]) -> Any:
-    """``value`` with the same metadata on other storages: ``storage_of`` maps an old storage to its new
-    one; a storage not in it gets a fresh one (shared by every tensor of ``value`` that had it).
-
-    This is the fake value of a copy of a node whose arguments have the layout of the original's: the
-    op would produce the same metadata, and alias the arguments it aliased before. Building it directly
-    is about ten times faster than running the op under the fake mode, which matters when a schedule
-    copies tens of thousands of nodes. Returns None when ``value`` holds something else than fake tensors.
-    """
-    def convert(tensor: Any) -> Any:
-        mode = getattr(tensor, "fake_mode", None)
-        if mode is None:
-            raise _NotFake
-        key = StorageWeakRef(tensor.untyped_storage())
-        storage = storage_of.get(key)
-        if storage is None:
-            storage = storage_of[key] = torch.UntypedStorage(tensor.untyped_storage().nbytes(), device="meta")
-        meta = torch.empty(0, dtype=tensor.dtype, device="meta").set_(
-            storage, tensor.storage_offset(), tensor.shape, tensor.stride()
-        )
-        return FakeTensor(mode, meta, tensor.device)
-
-    try:
-        if isinstance(value, torch.Tensor):
-            return convert(value)
-        if isinstance(value, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in value):
-            return type(value)(convert(v) for v in value)
-    except (_NotFake, RuntimeError):
-        return None
-    return None
-
-
-class _NotFake(Exception):
-    """A value that is not a fake tensor (the slow path is taken)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -890,7 +856,7 @@ def _copy_node(editor: GraphEditor, node: torch.fx.Node, remap: Callable[[torch.
     """A copy of ``node`` in the backward, before ``before``, with its arguments remapped.
 
     Its fake value is the original's metadata on the storages of the remapped arguments (see
-    :func:`_rebuilt`); when that does not apply (no fake tensors), the op runs under the fake mode.
+    :func:`~memplan.graphutil.rebuilt_value`); when that does not apply (no fake tensors), the op runs under the fake mode.
     """
     mapping: dict[torch.fx.Node, torch.fx.Node] = {}
 
@@ -905,10 +871,10 @@ def _copy_node(editor: GraphEditor, node: torch.fx.Node, remap: Callable[[torch.
     for old, replacement in mapping.items():
         olds, news = tensor_values(old), tensor_values(replacement)
         geometry_kept = geometry_kept and len(olds) == len(news) and all(
-            _same_geometry(a, b) for (_, a), (_, b) in zip(olds, news))
+            same_geometry(a, b) for (_, a), (_, b) in zip(olds, news))
         for (_, a), (_, b) in zip(olds, news):
             storage_of[StorageWeakRef(a.untyped_storage())] = b.untyped_storage()
-    value = _rebuilt(node.meta.get("val"), storage_of) if geometry_kept else None
+    value = rebuilt_value(node.meta.get("val"), storage_of) if geometry_kept else None
     if value is None:
         if new.all_input_nodes:
             value = fake_value(new.target, new.args, new.kwargs)
@@ -1004,7 +970,7 @@ def _strided(editor: GraphEditor, version: torch.fx.Node, like: torch.fx.Node, b
     value = like.meta["val"]
     args = (version, [int(s) for s in value.shape], [int(s) for s in value.stride()], int(value.storage_offset()))
     (_, base), *_ = tensor_values(version)
-    rebuilt = _rebuilt(value, {StorageWeakRef(value.untyped_storage()): base.untyped_storage()})
+    rebuilt = rebuilt_value(value, {StorageWeakRef(value.untyped_storage()): base.untyped_storage()})
     if rebuilt is None:
         return editor.call(torch.ops.aten.as_strided.default, args, like=like, phase=Phase.BACKWARD, before=before)
     with editor.gm.graph.inserting_before(before):
