@@ -93,8 +93,22 @@ class ConcatInPlace:
 
 
 def _slice_geometry(out: torch.Tensor, stack: bool, dim: int, start: int, length: int) -> tuple:
-    piece = out.select(dim, start) if stack else out.narrow(dim, start, length)
-    return tuple(piece.shape), piece.stride()
+    """Shape and strides of ``out.select(dim, start)`` (stack) or ``out.narrow(dim, start, length)``.
+
+    Examples
+    --------
+    >>> out = torch.zeros(5, 4, 3)
+    >>> _slice_geometry(out, True, 1, 2, 1) == (tuple(out.select(1, 2).shape), out.select(1, 2).stride())
+    True
+    >>> _slice_geometry(out, False, 0, 1, 2) == (tuple(out.narrow(0, 1, 2).shape), out.narrow(0, 1, 2).stride())
+    True
+    """
+    shape, stride = [int(n) for n in out.shape], list(out.stride())
+    if stack:
+        del shape[dim], stride[dim]
+    else:
+        shape[dim] = length
+    return tuple(shape), tuple(stride)
 
 
 def _concat_parts(node: torch.fx.Node, tensors: Tensors, liveness: Liveness,
@@ -189,6 +203,7 @@ def apply_concats(graph: CapturedGraph, concats: tuple[ConcatInPlace, ...]) -> C
     editor = GraphEditor(graph)
     by_name = {n.name: n for n in graph.gm.graph.nodes}
     order = {n.name: i for i, n in enumerate(graph.gm.graph.nodes)}
+    moved: set[StorageWeakRef] = set()  # storages of the replaced concatenations' results
     for concat in concats:
         node = by_name[concat.node]
         out = node.meta["val"]
@@ -215,11 +230,13 @@ def apply_concats(graph: CapturedGraph, concats: tuple[ConcatInPlace, ...]) -> C
         result = editor.call(torch.ops.aten.alias.default, (buffer,), like=node, before=node)
         node.replace_all_uses_with(result)
         editor.erase(node)
-        old = StorageWeakRef(out.untyped_storage())
-        for later in graph.gm.graph.nodes:  # views of the old result must alias the buffer
-            if later.op == "call_function" and any(StorageWeakRef(v.untyped_storage()) == old
-                                                   for _, v in tensor_values(later)):
-                later.meta["val"] = fake_value(later.target, later.args, later.kwargs)
+        moved.add(StorageWeakRef(out.untyped_storage()))
+    # Views of the old results must alias the buffers: one walk in graph order for all of them (a walk
+    # per concatenation was quadratic in the length of an unrolled loop).
+    for later in graph.gm.graph.nodes:
+        if later.op == "call_function" and any(StorageWeakRef(v.untyped_storage()) in moved
+                                               for _, v in tensor_values(later)):
+            later.meta["val"] = fake_value(later.target, later.args, later.kwargs)
     return editor.finish()
 
 
@@ -235,7 +252,8 @@ def concat(graph: CapturedGraph, ctx: PassContext) -> PassResult:
         return PassResult(graph, changed=False, notes=("no concatenation whose parts may be copied in early lowers the timeline",))
     peak_before = ctx.am.get(PeakSimulation).peak
     new = apply_concats(graph, concats)
-    peak_after = AnalysisManager(new).get(PeakSimulation).peak
+    analyses = AnalysisManager(new)  # handed to the pipeline, which would compute them again
+    peak_after = analyses.get(PeakSimulation).peak
     stats = PassStats(nodes_rewritten=len(concats), bytes_saved=peak_before - peak_after)
     return PassResult(new, changed=True, stats=stats, notes=(f"{len(concats)} concatenation(s) filled in place",),
-                      plan=concats)
+                      plan=concats, analyses=analyses)
