@@ -68,12 +68,16 @@ class PassStats:
 
 @dataclasses.dataclass(frozen=True)
 class PassResult:
+    """What a pass returns. ``analyses``: a manager the pass used to analyse its own result graph (to
+    measure it), whose analyses the pipeline then takes over instead of computing them again."""
+
     graph: CapturedGraph
     changed: bool
     preserved: frozenset[type] = frozenset()
     stats: PassStats = PassStats()
     notes: tuple[str, ...] = ()
     plan: Any = None
+    analyses: AnalysisManager | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,8 +297,11 @@ class PassRecord:
 
 @dataclasses.dataclass(frozen=True)
 class PipelineResult:
+    """The last graph, a record per pass, and the analyses of the last graph (computed on demand)."""
+
     graph: CapturedGraph
     records: tuple[PassRecord, ...]
+    analyses: AnalysisManager | None = None
 
 
 Instrument = Callable[[str, CapturedGraph], None]
@@ -379,7 +386,7 @@ class PassManager:
                 raise self._failure(name, i, graph, f"raised {type(exc).__name__}: {exc}") from exc
             seconds = time.perf_counter() - start
             if result.changed:
-                am.update(result.graph, result.preserved)
+                am.update(result.graph, result.preserved, computed=result.analyses)
                 try:
                     verify(result.graph, am)
                     hazards = mutation_hazards(result.graph, am)
@@ -402,7 +409,7 @@ class PassManager:
             )
             if self.after_pass is not None:
                 self.after_pass(name, graph)
-        return PipelineResult(graph, tuple(records))
+        return PipelineResult(graph, tuple(records), am)
 
     def _failure(self, name: str, index: int, graph: CapturedGraph, what: str) -> PassError:
         before = ",".join(self.passes[:index]) or "(none)"

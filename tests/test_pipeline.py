@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 import torch
 
+from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation
 from memplan.analysis.tensors import Tensors
 from memplan.capture import capture
@@ -43,6 +44,25 @@ def lies(graph, ctx):
 def identity(graph, ctx):
     ctx.am.get(Tensors)  # passes read analyses through the manager
     return PassResult(graph, changed=False, notes=("nothing to do",))
+
+
+@register_pass("_test_measures")
+def measures(graph, ctx):
+    """A correct pass that measures its own result: exp(x) -> exp(x) * 1."""
+    from memplan.graphutil import GraphEditor
+
+    editor = GraphEditor(graph)
+    exp = next(n for n in graph.gm.graph.nodes if n.target == torch.ops.aten.exp.default)
+    one = editor.call(torch.ops.aten.mul.Tensor, (exp, 1.0), like=exp, after=exp)
+    for user in [u for u in exp.users if u is not one]:
+        user.replace_input_with(exp, one)
+    new = editor.finish()
+    analyses = AnalysisManager(new)
+    HANDED.append(analyses.get(PeakSimulation))
+    return PassResult(new, changed=True, analyses=analyses)
+
+
+HANDED = []
 
 
 def test_unknown_pass_lists_the_registered_ones():
@@ -134,3 +154,13 @@ def test_a_budget_that_only_a_later_pass_reaches_is_met_and_an_unreachable_one_n
         lowest(*inputs)
     assert 0 < caught.value.smallest <= budget
     assert "smallest peak its plans reach" in str(caught.value)
+
+
+def test_the_pipeline_takes_over_the_analyses_a_pass_made_of_its_result():
+    graph = capture(chain, torch.randn(8), train=False)
+    result = PassManager("_test_measures").run(graph)
+    assert result.analyses.graph is result.graph
+    assert result.analyses.get(PeakSimulation) is HANDED[-1]  # not computed again
+    fresh = AnalysisManager(result.graph)
+    assert HANDED[-1] == fresh.get(PeakSimulation)
+    assert result.records[0].peak_after == fresh.get(PeakSimulation).peak

@@ -53,9 +53,16 @@ class AnalysisManager:
             self._cache[key] = analysis.compute(self.graph, self)
         return self._cache[key]
 
-    def update(self, graph: CapturedGraph, preserved: frozenset[type] = frozenset()) -> None:
-        """Point the manager at a changed graph, keeping only the ``preserved`` analyses."""
+    def update(self, graph: CapturedGraph, preserved: frozenset[type] = frozenset(),
+               computed: "AnalysisManager | None" = None) -> None:
+        """Point the manager at a changed graph, keeping only the ``preserved`` analyses.
+
+        ``computed`` is a manager that already analysed ``graph`` itself (a pass that measured its own
+        result): its analyses are taken over instead of being computed again.
+        """
         kept = {cls: value for (cls, version), value in self._cache.items() if version == self.version and cls in preserved}
+        if computed is not None and computed.graph is graph:
+            kept.update((cls, value) for (cls, version), value in computed._cache.items() if version == computed.version)
         self.graph = graph
         self.version += 1
         self._cache = {(cls, self.version): value for cls, value in kept.items()}

@@ -548,6 +548,7 @@ def inplace(graph: CapturedGraph, ctx: PassContext) -> PassResult:
     if not plan.rewrites and not fused:
         return PassResult(graph, changed=False, notes=("no pointwise op has a dead, dense input",), plan=plan)
     # Step 5: report what the simulated peak gained.
-    peak_after = AnalysisManager(new).get(PeakSimulation).peak
+    analyses = AnalysisManager(new)  # handed to the pipeline, which would compute them again
+    peak_after = analyses.get(PeakSimulation).peak
     stats = PassStats(nodes_rewritten=len(plan.rewrites) + fused, bytes_saved=peak_before - peak_after)
-    return PassResult(new, changed=True, stats=stats, plan=plan)
+    return PassResult(new, changed=True, stats=stats, plan=plan, analyses=analyses)
