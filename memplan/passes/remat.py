@@ -1078,15 +1078,23 @@ class CutNetwork:
     are always available and never recomputed. A view is merged into the tensor it views (saving either
     keeps the same storage, and recomputing a view costs nothing), and an in-place unit into its creator.
     Each remaining node ``v`` is two network nodes, ``v_in -> v_out`` with its saving cost; a node that
-    cannot be recomputed (or is banned) is only its ``v_out`` half, fed from the source through its
-    saving cost. Edges ``u_out -> v_in`` (``v`` reads ``u``) and ``v_out -> sink`` (the backward reads
-    ``v``) are infinite; ``source -> v_in`` costs ``price * FLOPs(v)``.
+    cannot be recomputed is only its ``v_out`` half, fed from the source through its saving cost. Edges
+    ``u_out -> v_in`` (``v`` reads ``u``) and ``v_out -> sink`` (the backward reads ``v``) are infinite;
+    ``source -> v_in`` costs ``price * FLOPs(v)``. A banned node (or, in AOTAutograd's cut, an expensive
+    one) is fed from the source without limit instead: its ``v_in`` is on the source side of every finite
+    cut, so the cut pays its saving cost exactly as if it could not be recomputed.
 
-    A cut is solved by Dinic's max-flow (short augmenting paths in level graphs; the networks of unrolled
-    loops have few levels, so a few breadth-first phases suffice). Its result does not depend on which
-    maximum flow is found: the nodes that can still reach the sink in the residual network are the same
-    for every maximum flow (they form the smallest sink side of all minimum cuts), so this agrees with any
-    other exact max-flow solver, networkx's included (the tests compare them).
+    So the network is the same for every cut; only the capacities of the source edges differ (and the
+    saving edge of a banned node that cannot be saved, which is closed). A cut is solved by Dinic's
+    max-flow (short augmenting paths in level graphs; the networks of unrolled loops have few levels),
+    after pushing along the one- and two-node paths directly. When an earlier cut of the network had no
+    larger capacity anywhere (a lower price, a subset of the bans), its maximum flow is still a flow here
+    and the search starts from it.
+
+    The result does not depend on which maximum flow is found: the nodes that can still reach the sink in
+    the residual network are the same for every maximum flow (they form the smallest sink side of all
+    minimum cuts), so this agrees with any other exact max-flow solver, networkx's included (the tests
+    compare them).
 
     Examples
     --------
@@ -1108,83 +1116,116 @@ class CutNetwork:
         members: dict[str, list[str]] = {}
         for name in relevant:
             members.setdefault(rep[name], []).append(name)
-        # One entry per network node pair, in graph order of the merged node; nodes free to save are out.
+        # One pair of network nodes per merged node, in graph order; nodes free to save are out. Node 0
+        # is the source, 1 the sink, 2i + 2 and 2i + 3 are ``v_in`` and ``v_out`` of merged node i.
         self.names: list[str] = [name for name in members if facts.nodes[name].save_bytes > 0]
         index = {name: i for i, name in enumerate(self.names)}
-        self.members = [tuple(members[name]) for name in self.names]
         self.recomputed_members = [tuple(m for m in members[name] if facts.nodes[m].recomputable) for name in self.names]
+        self.size = 2 * len(self.names) + 2
+        self.adjacent: list[list[int]] = [[] for _ in range(self.size)]  # edge ids leaving each node
+        self.to: list[int] = []  # head of each edge; edge e ^ 1 is the reverse of edge e
+        self.base: list[float] = []  # capacities that no cut changes
         self.save: list[int | None] = []  # None: cannot be saved (infinite)
         self.flops: list[int] = []
-        self.recomputable: list[bool] = []
         self.expensive: list[bool] = []
-        self.needed: list[bool] = []
-        self.heads: list[tuple[int, ...]] = []  # merged nodes whose value this one reads
-        for name in self.names:
+        self.priced: list[int] = []  # recomputable merged nodes, whose source and saving edges vary
+        self.source_edge: dict[int, int] = {}
+        self.save_edge: dict[int, int] = {}
+        self.paths: list[tuple[int, int | None, int]] = []  # (source edge, saving edge, sink edge)
+        self.unsaveable = frozenset(name for name in self.names if not facts.nodes[name].saveable)
+        for i, name in enumerate(self.names):
             fact = facts.nodes[name]
             group = members[name]
-            self.save.append(fact.save_bytes if fact.saveable else None)
+            save = fact.save_bytes if fact.saveable else None
+            self.save.append(save)
             self.flops.append(sum(facts.nodes[m].flops for m in group))
-            self.recomputable.append(fact.recomputable)
             self.expensive.append(fact.expensive)
-            self.needed.append(any(facts.nodes[m].first_reader is not None for m in group))
-            heads = []
-            for member in group:
-                for arg in facts.inputs.get(member, ()):
-                    head = rep.get(arg)
-                    if head is not None and head != name and head in index:
-                        heads.append(index[head])
-            self.heads.append(tuple(dict.fromkeys(heads)))
+            v_in, v_out = 2 * i + 2, 2 * i + 3
+            first = None
+            if fact.recomputable:
+                self.priced.append(i)
+                first = self.source_edge[i] = self._edge(0, v_in, 0)
+                self.save_edge[i] = self._edge(v_in, v_out, 0)
+                heads = []
+                for member in group:
+                    for arg in facts.inputs.get(member, ()):
+                        head = rep.get(arg)
+                        if head is not None and head != name and head in index:
+                            heads.append(index[head])
+                for head in dict.fromkeys(heads):
+                    self._edge(2 * head + 3, v_in, math.inf)
+            elif save is not None:
+                first = self._edge(0, v_out, save)
+            if any(facts.nodes[m].first_reader is not None for m in group):
+                sink = self._edge(v_out, 1, math.inf)
+                if first is not None:
+                    self.paths.append((first, self.save_edge.get(i), sink))
+        # Solved cuts: (price, banned, capacities, residual capacities of the maximum flow).
+        self._solved: list[tuple[float, frozenset[str], list[float], list[float]]] = []
+
+    def _edge(self, tail: int, head: int, capacity: float) -> int:
+        edge = len(self.to)
+        self.adjacent[tail].append(edge)
+        self.to.append(head)
+        self.base.append(capacity)
+        self.adjacent[head].append(edge + 1)
+        self.to.append(tail)
+        self.base.append(0)
+        return edge
+
+    def _banned(self, i: int, price: float | None, banned: frozenset[str]) -> bool:
+        return self.names[i] in banned or (price is None and self.expensive[i])
 
     def cut(self, price: float | None, banned: frozenset[str] = frozenset()) -> frozenset[str]:
         """The recompute set of the minimum cut at ``price`` with ``banned`` kept saved (see :func:`min_cut`)."""
-        # Step 1: the edges of this cut. Node 0 is the source, 1 the sink, 2i + 2 and 2i + 3 are
-        # ``v_in`` and ``v_out`` of merged node i.
-        edges: list[tuple[int, int, int | None]] = []  # (tail, head, capacity); None: infinite
-        recomputable: list[int] = []
-        for i, name in enumerate(self.names):
-            v_in, v_out = 2 * i + 2, 2 * i + 3
+        banned = frozenset(banned)
+        # Step 1: the capacities of this cut.
+        capacity = list(self.base)
+        for i in self.priced:
             save = self.save[i]
-            fixed = not self.recomputable[i] or name in banned or (price is None and self.expensive[i])
-            if fixed:
-                if save is not None:
-                    edges.append((0, v_out, save))
+            if self._banned(i, price, banned):
+                capacity[self.source_edge[i]] = math.inf if save is not None else 0
+                capacity[self.save_edge[i]] = save if save is not None else 0
             else:
-                recomputable.append(i)
-                edges.append((v_in, v_out, save))
-                cost = 0 if price is None else int(round(price * self.flops[i]))
-                if cost > 0:
-                    edges.append((0, v_in, cost))
-                for head in self.heads[i]:
-                    edges.append((2 * head + 3, v_in, None))
-            if self.needed[i]:
-                edges.append((v_out, 1, None))
-        if not recomputable:
-            return frozenset()
-        # Step 2: maximum flow, then the nodes that still reach the sink.
-        reaches_sink = _reaches_sink_after_max_flow(2 * len(self.names) + 2, edges)
-        return frozenset(m for i in recomputable if reaches_sink[2 * i + 2] for m in self.recomputed_members[i])
+                capacity[self.source_edge[i]] = 0 if price is None else int(round(price * self.flops[i]))
+                capacity[self.save_edge[i]] = save if save is not None else math.inf
+        # Step 2: start from the maximum flow of an earlier cut whose capacities are nowhere larger.
+        residual = None
+        if price is not None:
+            for old_price, old_banned, old_capacity, old_residual in reversed(self._solved):
+                if old_price <= price and old_banned <= banned and not (banned - old_banned) & self.unsaveable:
+                    residual = [r if new == old else r + (new - old)
+                                for r, new, old in zip(old_residual, capacity, old_capacity)]
+                    break
+        if residual is None:
+            residual = list(capacity)
+        # Step 3: a maximum flow; then the nodes that still reach the sink.
+        _max_flow(self.adjacent, self.to, residual, self.paths)
+        if price is not None:
+            self._solved.append((price, banned, capacity, residual))
+        reaches = _reaching_sink(self.adjacent, self.to, residual)
+        return frozenset(m for i in self.priced if not self._banned(i, price, banned) and reaches[2 * i + 2]
+                         for m in self.recomputed_members[i])
 
 
-def _reaches_sink_after_max_flow(size: int, edges: Sequence[tuple[int, int, int | None]]) -> list[bool]:
-    """Which nodes reach the sink (node 1) in the residual network of a maximum flow from node 0.
+def _max_flow(adjacent: Sequence[Sequence[int]], to: Sequence[int], residual: list[float],
+              paths: Sequence[tuple[int, int | None, int]] = ()) -> None:
+    """Turn ``residual`` (residual capacities of a feasible flow from node 0 to node 1) into those of a
+    maximum flow.
 
-    Dinic's algorithm: a breadth-first search labels nodes by their distance from the source over edges
-    with residual capacity, then a depth-first search pushes flow along shortest paths only (each node
-    remembers the next edge to try, and a dead end is dropped from the level graph), until the sink is
-    out of reach. Infinite capacities are a number larger than any flow: the sum of the finite ones.
+    First the short ``paths`` (edge ids from the source to the sink) are pushed directly. Then Dinic's
+    algorithm: a breadth-first search labels nodes by their distance from the source over edges with
+    residual capacity, and a depth-first search pushes flow along shortest paths only (each node remembers
+    the next edge to try, and a dead end is dropped from the level graph), until the sink is out of reach.
     """
-    infinite = 1 + sum(c for _, _, c in edges if c is not None)
-    adjacent: list[list[int]] = [[] for _ in range(size)]
-    to: list[int] = []
-    capacity: list[int] = []
-    for tail, head, cap in edges:
-        adjacent[tail].append(len(to))
-        to.append(head)
-        capacity.append(infinite if cap is None else cap)
-        adjacent[head].append(len(to))  # the reverse edge is the edge's id xor 1
-        to.append(tail)
-        capacity.append(0)
-    source, sink = 0, 1
+    for path in paths:
+        pushed = min(residual[e] for e in path if e is not None)
+        if pushed > 0:
+            for e in path:
+                if e is not None:
+                    residual[e] -= pushed
+                    residual[e ^ 1] += pushed
+    size, source, sink = len(adjacent), 0, 1
     while True:
         level = [-1] * size
         level[source] = 0
@@ -1195,19 +1236,19 @@ def _reaches_sink_after_max_flow(size: int, edges: Sequence[tuple[int, int, int 
                 next_level = level[u] + 1
                 for e in adjacent[u]:
                     v = to[e]
-                    if capacity[e] > 0 and level[v] < 0:
+                    if residual[e] > 0 and level[v] < 0:
                         level[v] = next_level
                         following.append(v)
             frontier = following
         if level[sink] < 0:
-            break
+            return
         cursor = [0] * size
         while True:
             path: list[int] = []
             u = source
             while u != sink:
                 edges_of, i, wanted = adjacent[u], cursor[u], level[u] + 1
-                while i < len(edges_of) and not (capacity[edges_of[i]] > 0 and level[to[edges_of[i]]] == wanted):
+                while i < len(edges_of) and not (residual[edges_of[i]] > 0 and level[to[edges_of[i]]] == wanted):
                     i += 1
                 cursor[u] = i
                 if i < len(edges_of):
@@ -1221,25 +1262,44 @@ def _reaches_sink_after_max_flow(size: int, edges: Sequence[tuple[int, int, int 
                     cursor[u] += 1
             if u != sink:
                 break
-            pushed = min(capacity[e] for e in path)
+            pushed = min(residual[e] for e in path)
             for e in path:
-                capacity[e] -= pushed
-                capacity[e ^ 1] += pushed
-    # A node reaches the sink if it has an edge with residual capacity to a node that does.
-    into: list[list[int]] = [[] for _ in range(size)]
-    for e, head in enumerate(to):
-        if capacity[e] > 0:
-            into[head].append(to[e ^ 1])
-    reaches = [False] * size
-    reaches[sink] = True
-    stack = [sink]
+                residual[e] -= pushed
+                residual[e ^ 1] += pushed
+
+
+def _reaching_sink(adjacent: Sequence[Sequence[int]], to: Sequence[int], residual: Sequence[float]) -> list[bool]:
+    """Which nodes reach the sink (node 1) over edges with residual capacity: a search backwards from it
+    (the edge ``u -> v`` is the reverse of an edge ``v -> u`` that ``v`` lists)."""
+    reaches = [False] * len(adjacent)
+    reaches[1] = True
+    stack = [1]
     while stack:
         v = stack.pop()
-        for u in into[v]:
-            if not reaches[u]:
-                reaches[u] = True
-                stack.append(u)
+        for e in adjacent[v]:
+            if residual[e ^ 1] > 0:
+                u = to[e]
+                if not reaches[u]:
+                    reaches[u] = True
+                    stack.append(u)
     return reaches
+
+
+def _reaches_sink_after_max_flow(size: int, edges: Sequence[tuple[int, int, int | None]]) -> list[bool]:
+    """Which nodes reach the sink (node 1) in the residual network of a maximum flow from node 0, for a
+    network given as ``(tail, head, capacity)`` edges (None: infinite)."""
+    adjacent: list[list[int]] = [[] for _ in range(size)]
+    to: list[int] = []
+    residual: list[float] = []
+    for tail, head, capacity in edges:
+        adjacent[tail].append(len(to))
+        to.append(head)
+        residual.append(math.inf if capacity is None else capacity)
+        adjacent[head].append(len(to))
+        to.append(tail)
+        residual.append(0)
+    _max_flow(adjacent, to, residual)
+    return _reaching_sink(adjacent, to, residual)
 
 
 def _representatives(facts: RematFacts, relevant: Sequence[str]) -> dict[str, str]:
