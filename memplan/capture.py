@@ -598,10 +598,9 @@ def _relaid_by_broadcast_tangents(tracer: Tracer, tangents: list[torch.Tensor], 
     graph = tracer.graph
     tangent_nodes = [tracer.node_of(t) for t in tangents]
     grad_nodes = {i: tracer.node_of(leaf.grad) for i, leaf in enumerate(leaves) if leaf.grad is not None}
-    with tracer.paused():
-        scenarios = [_restrided_values(graph, [node]) for node in tangent_nodes]
-        if _meet(graph, scenarios):
-            scenarios.append(_restrided_values(graph, tangent_nodes))
+    scenarios = [_restrided_values(tracer, [node]) for node in tangent_nodes]
+    if _meet(graph, scenarios):
+        scenarios.append(_restrided_values(tracer, tangent_nodes))
     relaid: set[int] = set()
     for values in scenarios:
         for i, node in grad_nodes.items():
@@ -626,24 +625,26 @@ def _meet(graph: torch.fx.Graph, scenarios: list[dict[torch.fx.Node, Any]]) -> b
     return False
 
 
-def _restrided_values(graph: torch.fx.Graph, broadcast: list[torch.fx.Node]) -> dict[torch.fx.Node, Any]:
+def _restrided_values(tracer: Tracer, broadcast: list[torch.fx.Node]) -> dict[torch.fx.Node, Any]:
     """Fake values of the nodes whose strides change when the ``broadcast`` placeholders are broadcast scalars.
 
-    Each op reading a changed value runs again on fake values; its result is kept only if its strides
-    differ from the trace's. An op that writes into an unchanged input is not run again: it would write
-    into the trace's own value, and its result (that input) keeps its strides.
+    Each op reading a changed value runs again on fake values (from the tracer's cache of the layouts it
+    has seen); its result is kept only if its strides differ from the trace's. An op that writes into an
+    unchanged input is not run again: it would write into the trace's own value, and its result (that
+    input) keeps its strides.
     """
     changed: dict[torch.fx.Node, Any] = {}
-    for node in broadcast:
-        value = node.meta["val"]
-        changed[node] = torch.zeros((), dtype=value.dtype, device=value.device).expand(value.shape)
-    for node in graph.nodes:
+    with tracer.paused():
+        for node in broadcast:
+            value = node.meta["val"]
+            changed[node] = torch.zeros((), dtype=value.dtype, device=value.device).expand(value.shape)
+    for node in tracer.graph.nodes:
         if node.op != "call_function" or not any(arg in changed for arg in node.all_input_nodes):
             continue
         if any(arg not in changed for arg in mutated_args(node)):
             continue
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda arg: changed.get(arg, arg.meta.get("val")))
-        value = node.target(*args, **kwargs)
+        value = tracer.evaluate(node.target, args, kwargs)
         if _layout(value) != _layout(node.meta.get("val")):
             changed[node] = value
     return changed

@@ -4,10 +4,14 @@ import functools
 
 import pytest
 import torch
+import torch.fx.traceback as fx_traceback
 from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
 
+from memplan._capture.tracer import Tracer, new_fake_mode
 from memplan.capture import Phase, capture
 from memplan.errors import CaptureError, UnsupportedInputError
+from memplan.testing import random_model, zoo
 
 
 class TwoLayer(nn.Module):
@@ -169,3 +173,142 @@ def test_gradient_a_broadcast_tangent_would_relay_is_copied_into_the_leafs_layou
 def test_gradient_whose_layout_no_tangent_changes_is_returned_as_is():
     cg = capture(torch.sigmoid, torch.randn(4, 3, requires_grad=True), seed="tangents")
     assert _returned_gradient(cg).target is not torch.ops.aten.copy_.default
+
+
+# ----------------------------------------------------------------------------------------------
+# the tracer: make_fx's graph, made from a cache on repeated steps
+
+
+def _trace(fn, *inputs):
+    """``fn(*inputs)`` traced by memplan's tracer: its graph module and the tracer."""
+    tracer = Tracer(new_fake_mode())
+    with fx_traceback.preserve_node_meta():
+        fakes = tracer.placeholders(inputs)
+        with tracer:
+            results = tracer.node_args(fn(*fakes))
+        tracer.output(results)
+    return tracer.graph_module("traced"), tracer
+
+
+def _make_fx(fn, *inputs):
+    with fx_traceback.preserve_node_meta():
+        return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True, _disable_torch_fn_metadata_mode=True)(
+            *inputs
+        )
+
+
+def _listing(gm):
+    """Each node's name, target, arguments, seq_nr (from the first node's) and value layout, storages numbered."""
+    storages = {}
+
+    def layout(value):
+        if isinstance(value, torch.Tensor):
+            group = storages.setdefault(value.untyped_storage()._cdata, len(storages))
+            return (tuple(value.shape), value.stride(), value.storage_offset(), value.dtype, value.device, group)
+        if isinstance(value, (list, tuple)):
+            return [layout(item) for item in value]
+        return value
+
+    first = next(iter(gm.graph.nodes)).meta["seq_nr"]
+    return [
+        (n.name, n.op, str(n.target), str(n.args), str(n.kwargs), n.meta["seq_nr"] - first, layout(n.meta.get("val")))
+        for n in gm.graph.nodes
+    ]
+
+
+def _training_step(model, inputs):
+    """A flat function running ``model`` forward and backward, and its inputs (parameters first)."""
+    names = [name for name, _ in model.named_parameters()]
+
+    def step(*flat):
+        out = torch.func.functional_call(model, dict(zip(names, flat[: len(names)])), tuple(flat[len(names) :]))
+        outs = list(out) if isinstance(out, tuple) else [out]
+        sum(o.sum() for o in outs).backward()
+        return outs + [p.grad for p in flat[: len(names)]]
+
+    return step, [p.detach().requires_grad_() for p in model.parameters()] + list(inputs)
+
+
+def _unbind_loop(steps):
+    """A recurrent loop over ``seq.unbind(0)``, forward and backward, and its inputs."""
+
+    def step(*flat):
+        seq, h, w, u = flat
+        outs = []
+        for x in seq.unbind(0):
+            h = torch.tanh(x @ w + h @ u)
+            outs.append(h.t().contiguous())
+        out = torch.stack(outs)
+        out.sum().backward()
+        return [out, seq.grad, w.grad, u.grad]
+
+    inputs = [torch.randn(steps, 3, 4), torch.zeros(3, 6), torch.randn(4, 6), torch.randn(6, 6)]
+    return step, [inputs[0].requires_grad_(), inputs[1], inputs[2].requires_grad_(), inputs[3].requires_grad_()]
+
+
+def _closure_loop(*flat):
+    """Parameters the traced function closes over become constants (get_attr nodes)."""
+    (seq,) = flat
+    h = torch.zeros(3, 6)
+    for x in seq:
+        h = _CELL(x, h)
+    return [h]
+
+
+_CELL = nn.GRUCell(4, 6)
+_ATTENTION = nn.MultiheadAttention(16, 2, batch_first=True).eval()
+
+
+def _attention_inference(*flat):
+    """In inference nn.MultiheadAttention takes a fused kernel unless make_fx is tracing."""
+    (x,) = flat
+    with torch.no_grad():
+        return [_ATTENTION(x, x, x, need_weights=False)[0]]
+
+
+def _with_constants(*flat):
+    (x,) = flat
+    scale = torch.tensor(2.0)
+    return [x * scale + torch.tensor([1.0, 2.0, 3.0]).sum().item()]
+
+
+def _tracer_cases():
+    for z in zoo():
+        yield z.name, _training_step(z.model, z.inputs)
+    for seed in range(6):
+        model, inputs = random_model(seed, requires_grad_input=True)
+        yield f"random{seed}", _training_step(model, inputs)
+    yield "unbind_loop", _unbind_loop(5)
+    yield "closure", (_closure_loop, [torch.randn(4, 3, 4)])
+    yield "attention_inference", (_attention_inference, [torch.randn(2, 5, 16)])
+    yield "constants", (_with_constants, [torch.randn(3)])
+
+
+@pytest.mark.parametrize("name,case", list(_tracer_cases()), ids=[name for name, _ in _tracer_cases()])
+def test_tracer_builds_the_graph_make_fx_builds(name, case):
+    fn, inputs = case
+    expected = _listing(_make_fx(fn, *inputs))
+    traced, _ = _trace(fn, *inputs)
+    assert _listing(traced) == expected
+
+
+def test_repeated_steps_of_a_loop_are_made_from_the_cache():
+    fake_runs = []
+    for steps in (4, 12):
+        step, inputs = _unbind_loop(steps)
+        _, tracer = _trace(step, *inputs)
+        fake_runs.append(tracer.fake_runs)
+    # the first steps run the fake kernels; every later step is made from their recipes (or, for the
+    # select of each step's gradient, from the view kernel)
+    assert fake_runs[0] == fake_runs[1]
+
+
+def test_release_points_follow_the_users_variables():
+    def f(x):
+        y = x.exp()
+        z = y.sin()
+        del y  # y's storage is released here, after sin
+        return z.cos()
+
+    cg = capture(f, torch.randn(4), train=False)
+    assert cg.released_after["exp"] == "sin"

@@ -3,10 +3,10 @@
 Why not make_fx
 ---------------
 make_fx stacks a proxy mode over a fake tensor mode. For every aten op it flattens the arguments with pytree,
-builds the fake tensor cache key, makes the output from the cache or runs the op's meta kernel (for pointwise
+builds the fake tensor cache key, makes the output from that cache or runs the op's meta kernel (for pointwise
 ops a Python reference implementation, slower than the meta kernel of a matrix product), snapshots the output
 and creates the fx node through several layers of hooks. A Python-unrolled loop repeats the same few ops on the
-same shapes thousands of times, and this per-op work, not the graph, is what capture spent its time on.
+same layouts thousands of times, and this per-op work, not the graph, is what capture spent its time on.
 
 What the tracer does for each op
 --------------------------------
@@ -14,24 +14,32 @@ What the tracer does for each op
     from the fake tensor.
 (2) An op that autograd would have decomposed is decomposed, and ``is_nonzero`` becomes ``item()``, as in
     make_fx.
-(3) Cache key: the op, each tensor argument's metadata (shape, strides, offset, dtype, device, storage size),
-    the other arguments, and the global state a factory reads (default dtype and device, inference mode).
+(3) Cache key: the op, each tensor argument's layout (shape, strides, dtype, device, storage size; the offset
+    only for ops that are given an offset, like ``as_strided``), the other arguments, and the global state a
+    factory reads (default dtype and device, inference mode).
 (4) On a hit the outputs are made from the cached recipe: a new meta tensor in the recorded layout, a view of
-    the recorded argument's storage, or the argument itself (in-place ops), each wrapped as a fake tensor.
-    On a miss the op runs under the fake tensor mode exactly as in make_fx, and its outputs give the recipe
-    when they fit one (see :meth:`Tracer._recipe`).
+    the recorded argument's storage a recorded step past the argument's own offset, or the argument itself
+    (in-place ops), each wrapped as a fake tensor. On a miss a view op runs its ATen kernel on meta aliases of
+    its arguments (:meth:`Tracer._view`) and any other op runs under the fake tensor mode exactly as in make_fx;
+    the outputs give the recipe when they fit one (:meth:`Tracer._recipe`).
 (5) One fx node per op, with make_fx's name, ``seq_nr`` and ``val`` (a fake alias of the output that autograd
     never sees), then one ``getitem`` node per element of a list or tuple output.
 
-The recipe is a function of the key because an aten op's output layout and aliasing depend only on its
-arguments' metadata. Ops for which that does not hold (data-dependent outputs, dynamic output shapes, in-place
-changes of a view's metadata, custom ops, ops with a ``CompositeImplicitAutograd`` kernel) are never cached;
-neither is a call with a constant or a real (non-fake) tensor argument. Those take the slow path,
-:meth:`Tracer._slow`, which follows make_fx's ``proxy_call``: real tensors become ``get_attr`` constants and
-constants of one element are computed for real, so ``torch.tensor(2.0).item()`` still works.
+The recipe is a function of the key because an aten op's output layout, and which argument its output aliases,
+depend only on its arguments' layouts, and a view's offset moves with its base's. Ops for which that does not
+hold (data-dependent outputs, dynamic output shapes, in-place changes of a tensor's layout, custom ops, ops with
+a ``CompositeImplicitAutograd`` kernel) are never cached; neither is a call with a constant or a real (non-fake)
+tensor argument. Those take :meth:`Tracer._slow`, which follows make_fx's ``proxy_call``: real tensors become
+``get_attr`` constants, constants of one element are computed for real (``torch.tensor(2.0).item()`` works),
+and a data-dependent scalar (``x.sum().item()``) becomes a node that later ops take as an argument.
+
+While the traced code runs, a ProxyTorchDispatchMode that never sees an op sits on the mode stack, so library
+code that asks whether make_fx is tracing (``nn.MultiheadAttention``'s fused inference path, checkpointing)
+takes the branch it takes under make_fx.
 
 What make_fx does that the tracer does not: symbolic shapes, pre-dispatch tracing, decomposition tables,
-higher-order operators (``torch.cond``), and the per-node bookkeeping capture drops anyway (``tensor_meta``,
+higher-order operators (``torch.cond``), recording arithmetic on data-dependent scalars (the scalar's node is
+recorded, the arithmetic is not), and the per-node bookkeeping capture drops anyway (``tensor_meta``,
 ``original_aten``, module scopes). Its dead-code elimination removes only symbolic-size accessors, which a
 static-shape trace never makes.
 """
@@ -46,7 +54,7 @@ from typing import Any
 import torch
 import torch.fx
 import torch.fx.traceback as fx_traceback
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
     _get_current_dispatch_mode,
@@ -67,6 +75,8 @@ _SCALARS = frozenset(
     {int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format}
 )
 _UNCACHEABLE = "uncacheable"
+_SYMBOLS = (torch.SymInt, torch.SymFloat, torch.SymBool)
+_PROXY = torch._C._TorchDispatchModeKey.PROXY
 
 
 class _Uncacheable(Exception):
@@ -87,7 +97,7 @@ def new_fake_mode() -> FakeTensorMode:
 class _Op:
     """What the tracer needs to know about an operator, worked out once."""
 
-    __slots__ = ("name", "cacheable", "decomposable", "absolute")
+    __slots__ = ("name", "cacheable", "decomposable", "absolute", "view")
 
     def __init__(self, func: Any, graph: torch.fx.Graph):
         overload = isinstance(func, torch._ops.OpOverload)
@@ -106,6 +116,10 @@ class _Op:
         # A view's offset is its base's plus a step the other arguments fix, except for ops told the
         # offset itself (as_strided): their keys hold the arguments' offsets.
         self.absolute = overload and any(arg.name == "storage_offset" for arg in func._schema.arguments)
+        # A view op whose tensor arguments are all top-level (none in a list): see Tracer._view.
+        self.view = self.cacheable and func.is_view and not any(
+            isinstance(arg.type, torch.ListType) and "Tensor" in str(arg.type) for arg in func._schema.arguments
+        )
 
 
 class Tracer(TorchDispatchMode):
@@ -116,8 +130,22 @@ class Tracer(TorchDispatchMode):
     fake_mode : FakeTensorMode
         The mode of every traced tensor; see :func:`new_fake_mode`.
     observer : callable, optional
-        ``observer(first, out)`` after each op the traced code calls (not the ops a decomposition calls), with
+        ``observer(last, out)`` after each op the traced code calls (not the ops a decomposition calls), with
         the graph's last node before the op and the op's outputs.
+
+    Examples
+    --------
+    >>> import torch.fx.traceback as fx_traceback
+    >>> tracer = Tracer(new_fake_mode())
+    >>> with fx_traceback.preserve_node_meta():
+    ...     (x,) = tracer.placeholders([torch.randn(4, 3)])
+    ...     with tracer:
+    ...         results = tracer.node_args([x.exp().sum(0), x.exp().sum(0)])
+    ...     _ = tracer.output(results)
+    >>> [node.name for node in tracer.graph.nodes]
+    ['arg0_1', 'exp', 'sum_1', 'exp_1', 'sum_2', 'output']
+    >>> tracer.fake_runs  # the second exp and sum were made from the first ones' recipes
+    2
     """
 
     def __init__(self, fake_mode: FakeTensorMode, observer: Callable[[torch.fx.Node, Any], None] | None = None):
@@ -131,7 +159,12 @@ class Tracer(TorchDispatchMode):
         self._depth = 0
         self._tensor_attrs: dict[torch.Tensor, str] = {}
         self._qualname_counter: dict[str, int] = {}
+        self._symbols: dict[Any, torch.fx.Node] = {}
         self._wrap = _FakeWrapper(fake_mode)
+        self._entered = 0
+        self._dormant: TorchDispatchMode | None = None
+        #: Calls whose outputs the fake mode computed (not made from a recipe, nor by a view kernel).
+        self.fake_runs = 0
 
     # ------------------------------------------------------------------------------------------
     # graph inputs and outputs
@@ -183,12 +216,35 @@ class Tracer(TorchDispatchMode):
 
     @contextlib.contextmanager
     def _untraced(self) -> Iterator[None]:
-        """Take the tracer off the dispatch mode stack while inside (it must be innermost when it is on it)."""
-        if _get_current_dispatch_mode() is not self:
-            yield
-            return
-        with _pop_mode_temporarily():
-            yield
+        """Take the tracer (it must be innermost) and its dormant proxy mode off the dispatch mode stack."""
+        with _proxy_mode_unset():
+            if _get_current_dispatch_mode() is not self:
+                yield
+                return
+            with _pop_mode_temporarily():
+                yield
+
+    def __enter__(self) -> Tracer:
+        # Library code asks whether make_fx is tracing (nn.MultiheadAttention skips its fused inference
+        # kernel then, checkpoint changes how it caches): a ProxyTorchDispatchMode on the stack while the
+        # traced code runs gives make_fx's answer. It never sees an op: each op reaches the tracer first,
+        # which takes the proxy mode off the stack until the op is recorded.
+        self._entered += 1
+        if self._entered == 1 and _get_proxy_mode() is None:
+            from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode, PythonKeyTracer
+
+            self._dormant = ProxyTorchDispatchMode(PythonKeyTracer(), "fake")
+            self._dormant.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        try:
+            return super().__exit__(exc_type, exc_value, traceback)
+        finally:
+            self._entered -= 1
+            if self._entered == 0 and self._dormant is not None:
+                self._dormant.__exit__(exc_type, exc_value, traceback)
+                self._dormant = None
 
     # ------------------------------------------------------------------------------------------
     # dispatch
@@ -199,9 +255,12 @@ class Tracer(TorchDispatchMode):
         kwargs = kwargs or {}
         last = self.graph._root.prev
         self._depth += 1
+        dormant = torch._C._unset_dispatch_mode(_PROXY)
         try:
             out = self._dispatch(func, args, kwargs)
         finally:
+            if dormant is not None:
+                torch._C._set_dispatch_mode(dormant)
             self._depth -= 1
         if self._depth == 0 and self.observer is not None:
             self.observer(last, out)
@@ -214,27 +273,21 @@ class Tracer(TorchDispatchMode):
         key = None
         if op.cacheable:
             # Step 3: the key; Step 4: a hit makes the outputs from the recipe.
-            try:
-                key = (
-                    func,
-                    self._key(args, op.absolute),
-                    self._key(kwargs.values(), op.absolute) if kwargs else None,
-                    tuple(kwargs) if kwargs else None,
-                    torch.get_default_dtype(),
-                    torch._C._get_default_device(),
-                    torch.is_inference_mode_enabled(),
-                )
-            except _Uncacheable:
+            key = self._cache_key(func, op, args, kwargs)
+            recipe = self._cache.get(key) if key is not None else None
+            if recipe is _UNCACHEABLE:
                 key = None
-            else:
-                recipe = self._cache.get(key)
-                if recipe is not None and recipe is not _UNCACHEABLE:
-                    out, vals = self._make(recipe, args, kwargs)
-                    node = self._node("call_function", func, self._node_arg(args), self._node_arg(kwargs), op.name)
-                    self._track(out, node, None, vals)
-                    return out
-                if recipe is _UNCACHEABLE:
-                    key = None
+            elif recipe is not None:
+                out, vals = self._make(recipe, args, kwargs, True)
+                node = self._node("call_function", func, self._node_arg(args), self._node_arg(kwargs), op.name)
+                self._track(out, node, None, vals)
+                return out
+            elif key is not None and op.view:
+                out = self._view(func, args, kwargs)
+                node = self._node("call_function", func, self._node_arg(args), self._node_arg(kwargs), op.name)
+                self._track(out, node, None)
+                self._remember(key, args, kwargs, out)
+                return out
         elif op.decomposable and func not in (aten.size.default, aten.stride.default, aten.storage_offset.default):
             # Step 2: decompose as autograd would have (make_fx does the same below autograd).
             if autograd_would_have_decomposed(func, _tensors_in((args, kwargs))):
@@ -248,11 +301,53 @@ class Tracer(TorchDispatchMode):
                 return (args[0] != 0).item()
         out = self._slow(func, args, kwargs)
         if key is not None:
-            try:
-                self._cache[key] = self._recipe(args, kwargs, out)
-            except _Uncacheable:
-                self._cache[key] = _UNCACHEABLE
+            self._remember(key, args, kwargs, out)
         return out
+
+    def evaluate(self, func: Any, args: tuple, kwargs: dict | None = None) -> Any:
+        """``func(*args, **kwargs)`` on fake tensors as the fake mode computes it, recording nothing.
+
+        Made from the cache where the trace has already run ``func`` on arguments of the same layout.
+        """
+        kwargs = kwargs or {}
+        with self._untraced(), unset_fake_temporarily():
+            op = self._ops.get(func)
+            if op is None:
+                op = self._ops[func] = _Op(func, self.graph)
+            key = self._cache_key(func, op, args, kwargs) if op.cacheable else None
+            recipe = self._cache.get(key) if key is not None else None
+            if recipe is not None and recipe is not _UNCACHEABLE:
+                return self._make(recipe, args, kwargs, False)[0]
+            if key is not None and recipe is None and op.view:
+                out = self._view(func, args, kwargs)
+            else:
+                self.fake_runs += 1
+                with self.fake_mode:
+                    out = func(*args, **kwargs)
+            if key is not None and recipe is None:
+                self._remember(key, args, kwargs, out)
+            return out
+
+    def _view(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A view op's outputs, from its ATen kernel run on meta aliases of the fake arguments.
+
+        A view's layout is computed by the one ATen function every backend shares, so this is the fake
+        mode's answer without its Python (the fake mode's own rule for ``select``, for one, costs a
+        millisecond, and a loop over ``select(x, 0, t)`` misses the cache at every step).
+        """
+        device = next(a.fake_device for a in (*args, *kwargs.values()) if type(a) is FakeTensor)
+        out = func(
+            *[self._meta_alias(a) if type(a) is FakeTensor else a for a in args],
+            **{k: self._meta_alias(v) if type(v) is FakeTensor else v for k, v in kwargs.items()},
+        )
+        return self._wrapped(out, device)
+
+    def _wrapped(self, value: Any, device: torch.device) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self._wrap(value, device)
+        if type(value) in (list, tuple):
+            return type(value)(self._wrapped(item, device) for item in value)
+        return value
 
     def _slow(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """Run ``func`` under the fake mode and record it, following make_fx's ``proxy_call``."""
@@ -274,6 +369,7 @@ class Tracer(TorchDispatchMode):
             func = aten.lift_fresh_copy.default
         op = self._ops.get(func) or _Op(func, self.graph)
         node = self._node("call_function", func, self._node_arg(args), self._node_arg(kwargs), op.name)
+        self.fake_runs += 1
         with self.fake_mode:
             out = func(*args, **kwargs)
         constant = None
@@ -292,13 +388,37 @@ class Tracer(TorchDispatchMode):
     # ------------------------------------------------------------------------------------------
     # the cache
 
+    def _cache_key(self, func: Any, op: _Op, args: tuple, kwargs: dict) -> tuple | None:
+        try:
+            return (
+                func,
+                self._key(args, op.absolute),
+                self._key(kwargs.values(), op.absolute) if kwargs else None,
+                tuple(kwargs) if kwargs else None,
+                torch.get_default_dtype(),
+                torch._C._get_default_device(),
+                torch.is_inference_mode_enabled(),
+            )
+        except _Uncacheable:
+            return None
+
+    def _remember(self, key: tuple, args: tuple, kwargs: dict, out: Any) -> None:
+        try:
+            self._cache[key] = self._recipe(args, kwargs, out)
+        except _Uncacheable:
+            self._cache[key] = _UNCACHEABLE
+
     def _key(self, values: Any, absolute: bool) -> tuple:
         key = []
         for value in values:
             kind = type(value)
             if kind is FakeTensor:
+                # Fake tensors of this trace's mode that are not constants; they need not be traced
+                # (evaluate() runs ops on the graph's values).
+                if value.fake_mode is not self.fake_mode or value.constant is not None or value.dtype.is_complex:
+                    raise _Uncacheable
                 traced = getattr(value, _TRACED, None)
-                if traced is None or traced[0] is not self or traced[2] is not None or value.dtype.is_complex:
+                if traced is not None and (traced[0] is not self or traced[2] is not None):
                     raise _Uncacheable
                 try:
                     stride = value.stride()
@@ -361,35 +481,41 @@ class Tracer(TorchDispatchMode):
             return ("const", value)
         raise _Uncacheable
 
-    def _make(self, recipe: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
-        """Outputs from ``recipe``, and beside each tensor the fake alias that becomes its node's ``val``."""
+    def _make(self, recipe: Any, args: tuple, kwargs: dict, vals: bool) -> tuple[Any, Any]:
+        """Outputs from ``recipe`` and, if ``vals``, beside each tensor the fake alias for its node's ``val``."""
         kind = recipe[0]
         if kind == "fresh":
             _, shape, stride, dtype, device = recipe
             elem = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-            return self._wrap(elem, device), self._wrap(elem, device)
+            return self._wrap(elem, device), self._wrap(elem, device) if vals else None
         if kind == "view":
             _, (positional, where), step, shape, stride, dtype, device = recipe
             base = args[where] if positional else kwargs[where]
             elem = torch.empty((0,), dtype=dtype, device="meta").set_(
                 base.untyped_storage(), base.storage_offset() + step, shape, stride
             )
-            return self._wrap(elem, device), self._wrap(elem, device)
+            return self._wrap(elem, device), self._wrap(elem, device) if vals else None
         if kind == "same":
             _, (positional, where) = recipe
             value = args[where] if positional else kwargs[where]
-            return value, self._alias(value)
+            return value, self._alias(value) if vals else None
         if kind == "const":
             return recipe[1], None
-        pairs = [self._make(item, args, kwargs) for item in recipe[1]]
-        return kind(out for out, _ in pairs), kind(val for _, val in pairs)
+        pairs = [self._make(item, args, kwargs, vals) for item in recipe[1]]
+        return kind(out for out, _ in pairs), kind(val for _, val in pairs) if vals else None
 
     # ------------------------------------------------------------------------------------------
     # nodes and tracked tensors
 
     def _node(self, op: str, target: Any, args: tuple, kwargs: dict, name: str | None) -> torch.fx.Node:
         """A graph node with make_fx's ``seq_nr``: the running backward node's, or the last autograd node made."""
-        node = self.graph.create_node(op, target, args, kwargs, name)
+        # Graph.create_node scans the arguments (with pytree) for symbolic scalars, which a static-shape
+        # trace never has; setting them afterwards gives the same node without that scan.
+        node = self.graph.create_node(op, target, (), None, name)
+        if args:
+            node.args = args
+        if kwargs:
+            node.kwargs = kwargs
         meta = fx_traceback.current_meta
         if meta.get("in_grad_fn", 0) > 0:
             node.meta["seq_nr"] = meta["grad_fn_seq_nr"][-1]
@@ -402,6 +528,10 @@ class Tracer(TorchDispatchMode):
         if isinstance(value, torch.Tensor):
             setattr(value, _TRACED, (self, node, constant))
             node.meta["val"] = vals if vals is not None else self._alias(value)
+        elif isinstance(value, _SYMBOLS):
+            # A data-dependent scalar (``x.sum().item()``): later ops that take it take the node.
+            node.meta["val"] = value
+            self._symbols[value.node] = node
         elif isinstance(value, (list, tuple)):
             node.meta["val"] = vals if vals is not None else self._val(value)
             for i, item in enumerate(value):
@@ -422,12 +552,17 @@ class Tracer(TorchDispatchMode):
 
     def _alias(self, value: FakeTensor) -> FakeTensor:
         """A fake tensor sharing ``value``'s storage and layout, unknown to autograd (make_fx's ``val``)."""
-        elem = torch.empty((0,), dtype=value.dtype, device="meta").set_(
-            value.untyped_storage(), value.storage_offset(), value.shape, value.stride()
-        )
+        elem = self._meta_alias(value)
         if value.fake_mode is not self.fake_mode:
             return FakeTensor(value.fake_mode, elem, value.fake_device)
         return self._wrap(elem, value.fake_device)
+
+    @staticmethod
+    def _meta_alias(value: FakeTensor) -> torch.Tensor:
+        """A plain meta tensor sharing ``value``'s storage and layout."""
+        return torch.empty((0,), dtype=value.dtype, device="meta").set_(
+            value.untyped_storage(), value.storage_offset(), value.shape, value.stride()
+        )
 
     def _traces(self, value: Any) -> bool:
         traced = getattr(value, _TRACED, None)
@@ -447,6 +582,8 @@ class Tracer(TorchDispatchMode):
             return kind(self._node_arg(item) for item in value)
         if kind is dict:
             return {k: self._node_arg(v) for k, v in value.items()}
+        if isinstance(value, _SYMBOLS):
+            return self._symbols.get(value.node, value)
         return value
 
     def _constant_arg(self, value: Any) -> Any:
@@ -543,6 +680,20 @@ class _FakeWrapper:
             torch._C._set_throw_on_mutable_data_ptr(made)
         made.__dict__.update(state)
         return made
+
+
+def _get_proxy_mode() -> TorchDispatchMode | None:
+    return torch._C._get_dispatch_mode(_PROXY)
+
+
+@contextlib.contextmanager
+def _proxy_mode_unset() -> Iterator[None]:
+    dormant = torch._C._unset_dispatch_mode(_PROXY)
+    try:
+        yield
+    finally:
+        if dormant is not None:
+            torch._C._set_dispatch_mode(dormant)
 
 
 def _tensors_in(value: Any) -> list[torch.Tensor]:
