@@ -148,6 +148,7 @@ from memplan.passes._chunk.rules import (
     State,
     arg_of,
     chunk_rule,
+    operand_requests,
     is_tensor,
     map_view,
     nbytes,
@@ -216,6 +217,69 @@ def _is_zero_factory(node: Any) -> bool:
     return False
 
 
+_MEMO_INPUTS = 8  # ops with more inputs (a cat of many steps) are asked directly
+
+
+class _RuleMemo:
+    """:func:`chunk_rule` with its answers kept by ``(node, the states of its inputs)``.
+
+    A rule reads nothing but its op and its inputs' states, and the floods of the candidate indices of
+    one graph ask the same ops about the same states again and again (the batch of an unrolled loop
+    is reached from the hidden state, from the inputs and from the noise alike)."""
+
+    def __init__(self):
+        self.answers: dict[tuple, Any] = {}
+        self.inputs: dict[torch.fx.Node, tuple[torch.fx.Node, ...]] = {}
+
+    def __call__(self, node: torch.fx.Node, st: Callable[[Any], State]) -> Any:
+        inputs = self.inputs.get(node)
+        if inputs is None:
+            inputs = self.inputs[node] = tuple(node.all_input_nodes)
+        if len(inputs) > _MEMO_INPUTS or node.target is operator.getitem:
+            # a key as long as the rule's own work; an item of an op with many results (the steps
+            # of an unbind) would hash all its siblings' states to be looked up in one
+            return chunk_rule(node, st, _is_zero_factory)
+        key = (node, *(st(a) for a in inputs))
+        answer = self.answers.get(key)
+        if answer is None:
+            answer = self.answers[key] = chunk_rule(node, st, _is_zero_factory)
+        return answer
+
+
+def _plain_rule(node: torch.fx.Node, st: Callable[[Any], State]) -> Any:
+    return chunk_rule(node, st, _is_zero_factory)
+
+
+class _Asker:
+    """Asks ``rule`` about ``node``, again after each :class:`Need` is met (the floods' loop).
+
+    A ``cat`` or ``stack`` asks for its replicated operands one at a time, reading all of them for
+    each answer; once it has asked, its next answer is the next operand of
+    :func:`~memplan.passes._chunk.rules.operand_requests` still replicated, found without asking
+    (the rule itself gives the last answer, when none is left)."""
+
+    def __init__(self, node: torch.fx.Node, st: Callable[[Any], State], rule: Callable):
+        self.node, self.st, self.rule = node, st, rule
+        self.requests: tuple[Split, list[torch.fx.Node]] | None = None
+        self.next = 0
+
+    def __call__(self) -> Any:
+        if self.requests is not None:
+            split, asked = self.requests
+            while self.next < len(asked):
+                state = self.st(asked[self.next])
+                if isinstance(state, Replicated):
+                    return Need(asked[self.next], split)
+                if state != split:
+                    break  # not met as asked: let the rule answer
+                self.next += 1
+            return self.rule(self.node, self.st)
+        answer = self.rule(self.node, self.st)
+        if isinstance(answer, Need):
+            self.requests = operand_requests(self.node, self.st)
+        return answer
+
+
 @dataclasses.dataclass
 class _Flood:
     states: dict[torch.fx.Node, State]
@@ -230,6 +294,7 @@ def _flood_forward(
     seeds: Mapping[torch.fx.Node, Split],
     barriers: set[str],
     position: Mapping[torch.fx.Node, int] | None = None,
+    rule: Callable[[torch.fx.Node, Callable[[Any], State]], Any] = _plain_rule,
 ) -> _Flood:
     """Propagate chunk states forward from the sliced ``seeds`` (stage 2).
 
@@ -241,7 +306,8 @@ def _flood_forward(
     state, a slice or a taint, and values relabelled or pulled into the chunk. Any other node reads
     nothing the flood touched, so a full walk would pass it by; skipping it keeps the cost in
     proportion to the region, not to the graph. ``position`` is ``order``'s index when the caller
-    has it."""
+    has it; ``rule`` answers as :func:`chunk_rule` (a :class:`_RuleMemo` shared by the floods of one
+    graph)."""
     if position is None:
         position = {node: i for i, node in enumerate(order)}
     slices = dict(seeds)
@@ -278,8 +344,23 @@ def _flood_forward(
             for user in node.users:
                 visit(user, after)
 
-        for node in [*states, *tainted, *slices, *relabel]:
+        def taint(node: torch.fx.Node) -> None:
+            # ``node`` and, at once, what reads it: the walk would taint each reader of a tainted
+            # value when it reaches it (slices, relabelled and pulled values aside), and nothing added
+            # to those later lies after the node the walk is at, so no reader has to wait for its turn
+            tainted.add(node)
+            stack = [node]
+            while stack:
+                for user in stack.pop().users:
+                    held = user in slices or user in relabel or user in pulled
+                    if user in position and user not in tainted and not held:
+                        tainted.add(user)
+                        stack.append(user)
+
+        for node in [*states, *slices, *relabel]:
             visit_readers(node, start - 1)
+        for node in list(tainted):
+            taint(node)
         for node in [*slices, *relabel, *pulled]:
             visit(node, start - 1)
         changed: list[torch.fx.Node] = []
@@ -296,11 +377,9 @@ def _flood_forward(
                 states[node] = REP
                 visit_readers(node, at)
                 continue
-            inputs = node.all_input_nodes
-            if any(a in tainted for a in inputs):
-                tainted.add(node)
-                visit_readers(node, at)
+            if node in tainted:
                 continue
+            inputs = node.all_input_nodes
             if not any(a in states or a in slices for a in inputs):
                 continue
             foreign = [m for m in mutated_args(node) if not owned_by(m, states)]
@@ -308,10 +387,10 @@ def _flood_forward(
                 pulled.update(foreign)
                 changed = foreign
                 break
-            result = chunk_rule(node, st, _is_zero_factory)
+            ask = _Asker(node, st, rule)
+            result = ask()
             if node.name in barriers or foreign and result != Partial("inplace"):
-                tainted.add(node)
-                visit_readers(node, at)
+                taint(node)
                 continue
             while isinstance(result, Need):
                 target = result.node
@@ -331,12 +410,11 @@ def _flood_forward(
                 if target in relabel and target in position:
                     states[target] = relabel[target]
                 visit_readers(target, at)
-                result = chunk_rule(node, st, _is_zero_factory)
+                result = ask()
             if changed:
                 break
             if isinstance(result, (Need, Barrier)):
-                tainted.add(node)
-                visit_readers(node, at)
+                taint(node)
                 continue
             states[node] = result
             visit_readers(node, at)
@@ -346,7 +424,11 @@ def _flood_forward(
     return _Flood({}, slices, relabel, set())
 
 
-def _flood_backward(order: Sequence[torch.fx.Node], fixed: Mapping[torch.fx.Node, State]) -> _Flood:
+def _flood_backward(
+    order: Sequence[torch.fx.Node],
+    fixed: Mapping[torch.fx.Node, State],
+    rule: Callable[[torch.fx.Node, Callable[[Any], State]], Any] = _plain_rule,
+) -> _Flood:
     """Propagate chunk states through a region's backward from what it reads (stage 3); a changed
     input is handled as in :func:`_flood_forward` (asked again, or the walk resumes where it matters)."""
     slices: dict[torch.fx.Node, Split] = {}
@@ -372,7 +454,8 @@ def _flood_backward(order: Sequence[torch.fx.Node], fixed: Mapping[torch.fx.Node
                 states[node] = relabel[node]
                 continue
             mutated = mutated_args(node)
-            result = chunk_rule(node, st, _is_zero_factory)
+            ask = _Asker(node, st, rule)
+            result = ask()
             if any(m in slices or not owned_by(m, members) and result != Partial("inplace") for m in mutated):
                 return _Flood(states, slices, relabel, set(), failed=node)
             while isinstance(result, Need):
@@ -395,7 +478,7 @@ def _flood_backward(order: Sequence[torch.fx.Node], fixed: Mapping[torch.fx.Node
                     break
                 if target in relabel and target in position:
                     states[target] = relabel[target]
-                result = chunk_rule(node, st, _is_zero_factory)
+                result = ask()
             if changed is not None:
                 break
             if isinstance(result, Barrier):
@@ -484,16 +567,19 @@ class _Search:
     forward: tuple[torch.fx.Node, ...]  # forward ops, graph order
     position: Mapping[torch.fx.Node, int]  # index in ``forward``
     backward: BackwardIndex
+    rule: _RuleMemo
 
     @classmethod
     def of(cls, graph: CapturedGraph) -> "_Search":
         forward = tuple(
             n for n in graph.gm.graph.nodes if n.op == "call_function" and graph.phases.get(n.name) is Phase.FORWARD
         )
-        return cls(forward, {n: i for i, n in enumerate(forward)}, BackwardIndex.of(graph))
+        return cls(forward, {n: i for i, n in enumerate(forward)}, BackwardIndex.of(graph), _RuleMemo())
 
 
-def _analyse(graph: CapturedGraph, seeds: Mapping[str, Split], label: str, search: _Search | None = None) -> ChunkRegion | None:
+def _analyse(
+    graph: CapturedGraph, seeds: Mapping[str, Split], label: str, search: _Search | None = None
+) -> ChunkRegion | None:
     """Stages 2-4 for one candidate index: the region, its backward body, what to recompute."""
     search = search if search is not None else _Search.of(graph)
     seed_nodes = {graph.node(k): v for k, v in seeds.items()}
@@ -504,7 +590,7 @@ def _analyse(graph: CapturedGraph, seeds: Mapping[str, Split], label: str, searc
     barriers: set[str] = set()
     for _ in range(16):
         # Step 2: the forward flood from the sliced sources.
-        flood = _flood_forward(search.forward, seed_nodes, barriers, search.position)
+        flood = _flood_forward(search.forward, seed_nodes, barriers, search.position, search.rule)
         region = sorted(flood.states, key=search.position.__getitem__)
         if not any(_carries(flood.states[n]) for n in region):
             return None
@@ -517,7 +603,7 @@ def _analyse(graph: CapturedGraph, seeds: Mapping[str, Split], label: str, searc
         border = [graph.node(x) for x in rb.nodes]
         fixed: dict[torch.fx.Node, State] = {n: _combined(flood.states[n]) for n in region}
         fixed.update(flood.slices)
-        back = _flood_backward(border, fixed)
+        back = _flood_backward(border, fixed, search.rule)
         if back.failed is not None:
             seq = graph.seq_nr.get(back.failed.name)
             culprits = {n.name for n in region if graph.seq_nr.get(n.name) == seq}
@@ -1172,7 +1258,8 @@ def _potential(graph: CapturedGraph, region: ChunkRegion, tensors: Tensors) -> i
     less the largest sliced input that still has to be materialised in full (not a view of an input)."""
     node_of = graph.node  # the graph's name table
     keep = set(region.outputs) | {n for n, _ in region.sources}
-    inside = [n for n, _ in region.forward if n not in keep] + [n for n, _ in region.backward if n not in region.backward_outputs]
+    handed_on = set(region.backward_outputs)
+    inside = [n for n, _ in region.forward if n not in keep] + [n for n, _ in region.backward if n not in handed_on]
     freed = max((nbytes(node_of(n)) for n in inside), default=0)
     held = 0
     for name, _ in list(region.sources) + list(region.backward_slices):
@@ -1511,7 +1598,7 @@ def _plan(
     am = am if am is not None else AnalysisManager(graph)
     for _ in range(opts.regions):
         base_peak = am.get(PeakSimulation).peak
-        base_cost = graph_cost(current, opts.rates)
+        base_cost = None  # priced only when some region gets past the peak bound
         candidates: list[Candidate] = [Candidate(None, base_peak, 0.0, "unchunked")]
         finals: dict[ChunkRegion, Callable[[], CapturedGraph]] = {}
         over_budget = policy.budget is not None and base_peak > policy.budget
@@ -1522,6 +1609,8 @@ def _plan(
         for region in _regions(current, opts, tensors):
             if _peak_bound(current, region, tensors, liveness) >= worth:
                 continue
+            if base_cost is None:
+                base_cost = graph_cost(current, opts.rates)
             for variant, sizes in _variants(current, region, opts):
                 fewest = -(-region.units // sizes[0])
                 if policy.budget is None and _overhead_bound(current, variant, opts.rates, fewest) > policy.max_overhead * base_cost:

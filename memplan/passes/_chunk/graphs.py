@@ -244,21 +244,26 @@ def region_backward(
     pending_shared = {n for seq in shared for n in index.backward_by_seq.get(seq, ()) if n not in accumulations}
     glue = set(accumulations - members)
     position = index.position
+    below = _Reach(lambda n: n.users, graph, position)
+    above = _Reach(lambda n: n.all_input_nodes, graph, position)
+    new_members = set(members)
     changed = True
     while changed:
         changed = False
         # a node between two members lies between the first and the last of them in graph order
         window = (min(position[n] for n in members), max(position[n] for n in members)) if members else (0, -1)
-        below = _reach(members, lambda n: n.users, graph, position, window)
-        above = _reach(members, lambda n: n.all_input_nodes, graph, position, window)
+        below.grow(new_members, window)
+        above.grow(new_members, window)
+        new_members = set()
         near = {n for n in glue if window[0] <= position[n] <= window[1]}  # the glue that can be between
         for node in sorted(near | pending_shared, key=lambda n: n.name):
-            between = node in below and node in above
+            between = node in below.seen and node in above.seen
             adjacent = node in pending_shared and (
                 any(a in members for a in node.all_input_nodes) or any(u in members for u in node.users)
             )
             if between or adjacent:
                 members.add(node)
+                new_members.add(node)
                 glue.discard(node)
                 pending_shared.discard(node)
                 changed = True
@@ -280,22 +285,42 @@ def region_backward(
     return RegionBackward(tuple(n.name for n in ordered), tuple(grad_inputs), tuple(grad_outputs))
 
 
-def _reach(start: set[torch.fx.Node], step, graph: CapturedGraph, position: Mapping[torch.fx.Node, int],
-           window: tuple[int, int]) -> set[torch.fx.Node]:
-    """Backward nodes reachable from ``start`` (excluded) by ``step``, through backward ops inside the
-    ``window`` of positions only (other backward nodes, not ops, are followed too)."""
-    lo, hi = window
-    seen: set[torch.fx.Node] = set()
-    stack = list(start)
-    while stack:
-        for nxt in step(stack.pop()):
-            if nxt not in seen and graph.phases.get(nxt.name) is Phase.BACKWARD:
-                at = position.get(nxt)
-                if at is not None and not lo <= at <= hi:
+class _Reach:
+    """The backward nodes reachable by one or more applications of ``step`` from a growing set of starts,
+    through backward ops inside a widening window of positions (other backward nodes, not ops, are
+    followed too). Each :meth:`grow` continues the walk from the new starts and from the nodes the
+    old window stopped, so the loop of :func:`region_backward` walks each node once, not once a round.
+    """
+
+    def __init__(self, step: Callable[[torch.fx.Node], Iterable[torch.fx.Node]], graph: CapturedGraph,
+                 position: Mapping[torch.fx.Node, int]):
+        self.step, self.graph, self.position = step, graph, position
+        self.seen: set[torch.fx.Node] = set()
+        self.stopped: list[torch.fx.Node] = []  # met outside the window
+
+    def grow(self, starts: Iterable[torch.fx.Node], window: tuple[int, int]) -> None:
+        lo, hi = window
+        stack = list(starts)
+        stopped, self.stopped = self.stopped, []
+        for node in stopped:
+            if node in self.seen:
+                continue
+            if lo <= self.position[node] <= hi:
+                self.seen.add(node)
+                stack.append(node)
+            else:
+                self.stopped.append(node)
+        phases = self.graph.phases
+        while stack:
+            for nxt in self.step(stack.pop()):
+                if nxt in self.seen or phases.get(nxt.name) is not Phase.BACKWARD:
                     continue
-                seen.add(nxt)
+                at = self.position.get(nxt)
+                if at is not None and not lo <= at <= hi:
+                    self.stopped.append(nxt)
+                    continue
+                self.seen.add(nxt)
                 stack.append(nxt)
-    return seen
 
 
 def refresh_aliases(graph: torch.fx.Graph, starts: Sequence[torch.fx.Node], mode) -> None:

@@ -34,6 +34,7 @@ __all__ = [
     "VIEW_OPS",
     "ZERO_PRODUCERS",
     "chunk_rule",
+    "operand_requests",
     "map_view",
     "value_of",
     "shape_of",
@@ -500,6 +501,42 @@ def chunk_rule(node: torch.fx.Node, st: Callable[[Any], State], is_zero: Callabl
             return Barrier("pointwise op without a tensor value")
         return _pointwise(node, state, out_shape)
     return Barrier(f"no chunk rule for {name or node.target}")
+
+
+def operand_requests(node: torch.fx.Node, st: Callable[[Any], State]) -> tuple[Split, list[torch.fx.Node]] | None:
+    """For ``cat`` and ``stack``, whose rule asks for one replicated operand at a time to be sliced
+    (the first in order that is full-sized on the index): the split every operand must carry and the
+    operands the rule would ask for, in that order. None when its answer is not such a request, and
+    for every other op.
+
+    Meeting the requests one rule call at a time reads all the operands each time, which is quadratic
+    in them; a stack of the thousand steps of an unrolled loop is asked once instead (see the floods).
+    """
+    name = packet_name(node)
+    if node.op != "call_function" or name not in ("cat", "stack"):
+        return None
+
+    def state(x: Any) -> State:
+        s = st(x) if isinstance(x, torch.fx.Node) else REP
+        return REP if s is None else s
+
+    seq = [(t, state(t)) for t in node.args[0] if is_tensor(t)]
+    if any(isinstance(s, Partial) for _, s in seq):
+        return None
+    splits = {s for _, s in seq if isinstance(s, Split)}
+    if len(splits) != 1:
+        return None
+    (split,) = splits
+    if name == "cat":
+        value = node.meta.get("val")
+        rank = len(value.shape) if isinstance(value, torch.Tensor) else 0
+        if split.dim == norm_dim(arg_of(node, 1, "dim", 0), rank):
+            return None
+    asked = [
+        t for t, s in seq
+        if isinstance(s, Replicated) and shape_of(t) and len(shape_of(t)) > split.dim and shape_of(t)[split.dim] != 1
+    ]
+    return split, asked
 
 
 def _layout_rule(node: torch.fx.Node, name: str, sx: State, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> RuleResult:
