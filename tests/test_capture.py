@@ -312,3 +312,10 @@ def test_release_points_follow_the_users_variables():
 
     cg = capture(f, torch.randn(4), train=False)
     assert cg.released_after["exp"] == "sin"
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.compile's imports
+def test_a_compiled_model_is_refused_as_under_make_fx():
+    # dynamo does not run inside the trace (the tracer's dispatch relies on it)
+    with pytest.raises(CaptureError, match="dynamo-optimized"):
+        capture(torch.compile(nn.Linear(3, 2)), torch.randn(4, 3))

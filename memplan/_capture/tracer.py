@@ -33,9 +33,9 @@ tensor argument. Those take :meth:`Tracer._slow`, which follows make_fx's ``prox
 ``get_attr`` constants, constants of one element are computed for real (``torch.tensor(2.0).item()`` works),
 and a data-dependent scalar (``x.sum().item()``) becomes a node that later ops take as an argument.
 
-While the traced code runs, a ProxyTorchDispatchMode that never sees an op sits on the mode stack, so library
-code that asks whether make_fx is tracing (``nn.MultiheadAttention``'s fused inference path, checkpointing)
-takes the branch it takes under make_fx.
+While the traced code runs, a ProxyTorchDispatchMode that never sees an op sits on the mode stack and fx's
+tracing flag is set, so library code that asks whether make_fx is tracing (``nn.MultiheadAttention``'s fused
+inference path, checkpointing, dynamo) takes the branch it takes under make_fx.
 
 What make_fx does that the tracer does not: symbolic shapes, pre-dispatch tracing, decomposition tables,
 higher-order operators (``torch.cond``), recording arithmetic on data-dependent scalars (the scalar's node is
@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 import torch.fx
+import torch.fx._symbolic_trace as _fx_trace
 import torch.fx.traceback as fx_traceback
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import (
@@ -162,6 +163,7 @@ class Tracer(TorchDispatchMode):
         self._symbols: dict[Any, torch.fx.Node] = {}
         self._wrap = _FakeWrapper(fake_mode)
         self._entered = 0
+        self._fx_tracing = False
         self._dormant: TorchDispatchMode | None = None
         #: Calls whose outputs the fake mode computed (not made from a recipe, nor by a view kernel).
         self.fake_runs = 0
@@ -224,17 +226,28 @@ class Tracer(TorchDispatchMode):
             with _pop_mode_temporarily():
                 yield
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # TorchDispatchMode wraps __torch_dispatch__ so that dynamo never compiles it, at a fifth of the
+        # trace's time. Dynamo does not run inside an fx trace (see __enter__), so the guard is not needed.
+        return False
+
     def __enter__(self) -> Tracer:
         # Library code asks whether make_fx is tracing (nn.MultiheadAttention skips its fused inference
         # kernel then, checkpoint changes how it caches): a ProxyTorchDispatchMode on the stack while the
         # traced code runs gives make_fx's answer. It never sees an op: each op reaches the tracer first,
-        # which takes the proxy mode off the stack until the op is recorded.
+        # which takes the proxy mode off the stack until the op is recorded. fx's tracing flag is set as
+        # make_fx's tracer sets it: dynamo refuses to compile inside a trace (a torch.compile'd model
+        # raises, as under make_fx).
         self._entered += 1
-        if self._entered == 1 and _get_proxy_mode() is None:
-            from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode, PythonKeyTracer
+        if self._entered == 1:
+            self._fx_tracing = _fx_trace._is_fx_tracing_flag
+            _fx_trace._is_fx_tracing_flag = True
+            if _get_proxy_mode() is None:
+                from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode, PythonKeyTracer
 
-            self._dormant = ProxyTorchDispatchMode(PythonKeyTracer(), "fake")
-            self._dormant.__enter__()
+                self._dormant = ProxyTorchDispatchMode(PythonKeyTracer(), "fake")
+                self._dormant.__enter__()
         return super().__enter__()
 
     def __exit__(self, exc_type, exc_value, traceback):
@@ -242,9 +255,11 @@ class Tracer(TorchDispatchMode):
             return super().__exit__(exc_type, exc_value, traceback)
         finally:
             self._entered -= 1
-            if self._entered == 0 and self._dormant is not None:
-                self._dormant.__exit__(exc_type, exc_value, traceback)
-                self._dormant = None
+            if self._entered == 0:
+                _fx_trace._is_fx_tracing_flag = self._fx_tracing
+                if self._dormant is not None:
+                    self._dormant.__exit__(exc_type, exc_value, traceback)
+                    self._dormant = None
 
     # ------------------------------------------------------------------------------------------
     # dispatch
