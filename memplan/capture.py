@@ -759,12 +759,6 @@ def _build_captured(
     differentiable: Sequence[bool],
     recorded_sources: Mapping[str, SourceLine],
 ) -> CapturedGraph:
-    # A backward op may return None for a gradient nobody needs (e.g. convolution_backward's
-    # output_mask); the trace records no value for the getitem reading it. Its value is None.
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and "val" not in node.meta:
-            node.meta["val"] = None
-
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     kinds = ["parameter"] * len(param_names) + ["buffer"] * len(buffer_names) + ["input"] * n_user
     paths = list(param_names) + list(buffer_names) + list(leaf_paths)
@@ -778,33 +772,43 @@ def _build_captured(
         for node, kind, path, requires in zip(placeholders, kinds, paths, requires_grad)
     )
 
+    # One pass in graph order (all forward nodes come before the first backward node):
     phases: dict[str, Phase] = {}
-    phase = Phase.FORWARD
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            if node.op == "placeholder" or node.op == "get_attr":
-                continue
-            continue
-        phases[node.name] = phase
-        if train and node.name == boundary:
-            phase = Phase.BACKWARD
-
-    seq_nr = {n.name: int(n.meta["seq_nr"]) for n in gm.graph.nodes if isinstance(n.meta.get("seq_nr"), int)}
+    seq_nr: dict[str, int] = {}
     sources: dict[str, SourceLine] = {}
     forward_source_by_seq: dict[int, SourceLine] = {}
+    released_after: dict[str, str] = {}
+    phase = Phase.FORWARD
     for node in gm.graph.nodes:
+        name, meta = node.name, node.meta
+        node_seq_nr = meta.get("seq_nr")
+        if isinstance(node_seq_nr, int):
+            seq_nr[name] = int(node_seq_nr)
         if node.op != "call_function":
             continue
-        line = recorded_sources.get(node.name)
-        if phases[node.name] is Phase.FORWARD:
+        # A backward op may return None for a gradient nobody needs (e.g. convolution_backward's
+        # output_mask); the trace records no value for the getitem reading it. Its value is None.
+        value = meta.setdefault("val", None)
+        phases[name] = phase
+        # The user's line: a forward node's as recorded, a backward node's that of the forward op
+        # with its autograd sequence number.
+        if phase is Phase.FORWARD:
+            line = recorded_sources.get(name)
             if line is not None:
-                sources[node.name] = line
-                forward_source_by_seq.setdefault(seq_nr.get(node.name, -1), line)
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and phases[node.name] is Phase.BACKWARD:
-            line = forward_source_by_seq.get(seq_nr.get(node.name, -2))
+                sources[name] = line
+                forward_source_by_seq.setdefault(seq_nr.get(name, -1), line)
+        else:
+            line = forward_source_by_seq.get(seq_nr.get(name, -2))
             if line is not None:
-                sources[node.name] = line
+                sources[name] = line
+        # Python's release of the storage the node created.
+        for tensor in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(tensor, torch.Tensor):
+                key = _storage_key(tensor)
+                if key in released and name not in released_after:
+                    released_after[name] = released[key]
+        if train and name == boundary:
+            phase = Phase.BACKWARD
 
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
     flat_outputs = list(pytree.tree_leaves(output_node.args[0], is_leaf=lambda x: x is None))
@@ -817,16 +821,6 @@ def _build_captured(
             outputs.append(OutputSpec(node_name, "output", f"out[{i}]", bool(train and differentiable[i])))
         else:
             outputs.append(OutputSpec(node_name, "grad", grad_paths[i - n_model_outputs]))
-
-    # Python's release of each storage, keyed by the node that created it.
-    released_after: dict[str, str] = {}
-    for node in gm.graph.nodes:
-        value = node.meta.get("val")
-        for tensor in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(tensor, torch.Tensor):
-                key = _storage_key(tensor)
-                if key in released and node.name not in released_after and node.op == "call_function":
-                    released_after[node.name] = released[key]
 
     return CapturedGraph(
         gm=gm,

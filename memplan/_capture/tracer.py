@@ -382,6 +382,7 @@ class Tracer(TorchDispatchMode):
         if func is aten.lift_fresh.default:
             # torch.tensor(...) lifts a fresh real tensor; the graph copies the constant, as make_fx's does.
             func = aten.lift_fresh_copy.default
+            tags = func.tags
         op = self._ops.get(func) or _Op(func, self.graph)
         node = self._node("call_function", func, self._node_arg(args), self._node_arg(kwargs), op.name)
         self.fake_runs += 1
@@ -586,15 +587,15 @@ class Tracer(TorchDispatchMode):
     def _node_arg(self, value: Any) -> Any:
         """``value`` with traced tensors replaced by their nodes and other tensors by ``get_attr`` constants."""
         kind = type(value)
-        if kind in _SCALARS:
-            return value
-        if isinstance(value, torch.Tensor):
+        if kind is FakeTensor or isinstance(value, torch.Tensor):
             traced = getattr(value, _TRACED, None)
             if traced is not None and traced[0] is self:
                 return traced[1]
             return self._constant_node(value)
+        if kind in _SCALARS:
+            return value
         if kind is list or kind is tuple:
-            return kind(self._node_arg(item) for item in value)
+            return kind([self._node_arg(item) for item in value])
         if kind is dict:
             return {k: self._node_arg(v) for k, v in value.items()}
         if isinstance(value, _SYMBOLS):
