@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["mutated_args", "is_pure_view"]
+__all__ = ["mutated_args", "is_pure_view", "is_view_op"]
 
 
 # Passes ask these of every node again and again (hundreds of thousands of times on an unrolled loop),
@@ -66,3 +66,15 @@ def is_pure_view(node: torch.fx.Node) -> bool:
     if node.op != "call_function" or schema is None:
         return False
     return _only_views(node.target, schema)
+
+
+def is_view_op(target: Any) -> bool:
+    """True when the operator ``target`` only makes aliases of its arguments (see :func:`is_pure_view`).
+
+    Examples
+    --------
+    >>> is_view_op(torch.ops.aten.t.default), is_view_op(torch.ops.aten.exp.default), is_view_op(len)
+    (True, False, False)
+    """
+    schema = getattr(target, "_schema", None)
+    return schema is not None and _only_views(target, schema)

@@ -1268,7 +1268,23 @@ def _potential(graph: CapturedGraph, region: ChunkRegion, tensors: Tensors) -> i
     return freed - held
 
 
-def _peak_bound(graph: CapturedGraph, region: ChunkRegion, tensors: Tensors, liveness: Liveness) -> int:
+def _live_steps(tensors: Tensors, liveness: Liveness) -> tuple[dict[int, int], dict[int, int]]:
+    """Bytes born at and freed after each step of :class:`~memplan.analysis.peak.PeakSimulation`'s
+    walk, per step (external storages are never counted)."""
+    born: dict[int, int] = {}
+    dies: dict[int, int] = {}
+    for sid, storage in tensors.storages.items():
+        if storage.external:
+            continue
+        interval = liveness.intervals[sid]
+        born[interval.start] = born.get(interval.start, 0) + storage.nbytes
+        if interval.end < liveness.end:
+            dies[interval.end] = dies.get(interval.end, 0) + storage.nbytes
+    return born, dies
+
+
+def _peak_bound(graph: CapturedGraph, region: ChunkRegion, tensors: Tensors, liveness: Liveness,
+                steps: tuple[dict[int, int], dict[int, int]] | None = None) -> int:
     """A lower bound on the peak of ``graph`` with ``region`` chunked, from the graph's own analyses
     (nothing is built): the loops' scratch counts as zero.
 
@@ -1281,6 +1297,9 @@ def _peak_bound(graph: CapturedGraph, region: ChunkRegion, tensors: Tensors, liv
     Regions whose bound is no better than the policy's threshold are not built. Example of one: chunking
     a recurrence along its batch makes the backward loop read every step's input, which the untouched
     backward had dropped step by step; the bound is above the untouched peak.
+
+    ``steps`` is :func:`_live_steps` of the graph when the caller has it: under graph lifetimes a
+    storage that no node of the region touches keeps its interval, so only the others are walked.
     """
     position = liveness.position
     forward = [n for n, _ in region.forward]
@@ -1312,8 +1331,6 @@ def _peak_bound(graph: CapturedGraph, region: ChunkRegion, tensors: Tensors, liv
 
     forward_first = first_read(kept & in_forward, in_forward)
     body_first = first_read(kept & in_body, members)
-    born: dict[int, int] = {}
-    dies: dict[int, int] = {}
 
     def hold(start: int, end: int, size: int, readers: list[str]) -> None:
         if end < liveness.end:
@@ -1322,7 +1339,25 @@ def _peak_bound(graph: CapturedGraph, region: ChunkRegion, tensors: Tensors, liv
         if end < liveness.end:
             dies[end] = dies.get(end, 0) + size
 
-    for sid, storage in tensors.storages.items():
+    born: dict[int, int] = {}
+    dies: dict[int, int] = {}
+    affected = tensors.storages.keys()
+    if steps is not None and graph.lifetimes == "graph":
+        # storages of the region's values and of what it reads; every other storage is neither made
+        # nor read by the region, and its interval (its readers' positions) stays as it is
+        read = {a.name for name in members for a in node_of(name).all_input_nodes}
+        affected = {sid for name in members | read for sid in tensors.storages_of(name)}
+        born, dies = dict(steps[0]), dict(steps[1])
+        for sid in affected:
+            storage = tensors.storages[sid]
+            if storage.external:
+                continue
+            interval = liveness.intervals[sid]
+            born[interval.start] -= storage.nbytes
+            if interval.end < liveness.end:
+                dies[interval.end] -= storage.nbytes
+    for sid in affected:
+        storage = tensors.storages[sid]
         if storage.external:
             continue
         interval = liveness.intervals[sid]
@@ -1604,10 +1639,11 @@ def _plan(
         over_budget = policy.budget is not None and base_peak > policy.budget
         worth = base_peak if over_budget else (1.0 - opts.min_gain) * base_peak
         tensors, liveness = am.get(Tensors), am.get(Liveness)
+        steps = _live_steps(tensors, liveness)
         # Steps 1-4 find the regions; step 5 prices the candidates of those that can pay (a peak
         # below the policy's threshold, an overhead not hopeless), building each variant once.
         for region in _regions(current, opts, tensors):
-            if _peak_bound(current, region, tensors, liveness) >= worth:
+            if _peak_bound(current, region, tensors, liveness, steps) >= worth:
                 continue
             if base_cost is None:
                 base_cost = graph_cost(current, opts.rates)

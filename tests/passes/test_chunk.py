@@ -381,8 +381,11 @@ def test_pruning_bounds_never_exceed_what_is_built(name, model, inputs):
     options = chunk_pass.ChunkOptions()
     base_cost = graph_cost(graph, options.rates)
     tensors, liveness = am.get(Tensors), am.get(Liveness)
+    steps = chunk_pass._live_steps(tensors, liveness)
     for region in regions:
         peak_bound = chunk_pass._peak_bound(graph, region, tensors, liveness)
+        # walking only the storages the region touches gives the same bound
+        assert chunk_pass._peak_bound(graph, region, tensors, liveness, steps) == peak_bound
         for variant, sizes in chunk_pass._variants(graph, region, options):
             candidates = chunk_pass._evaluate(graph, variant, sizes, base_cost, options, Policy(max_overhead=100.0))
             fewest = -(-region.units // sizes[0])

@@ -10,6 +10,7 @@ Rules are per op, found from aten semantics only: nothing here knows a model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 from collections.abc import Callable, Sequence
@@ -129,7 +130,7 @@ def value_of(node: Any) -> Any:
 def shape_of(node: Any) -> tuple[int, ...]:
     value = value_of(node)
     if isinstance(value, torch.Tensor):
-        return tuple(int(s) for s in value.shape)
+        return tuple(map(int, value.shape))
     return ()
 
 
@@ -142,8 +143,17 @@ def norm_dim(dim: int, rank: int) -> int:
 
 
 def is_pointwise(node: torch.fx.Node) -> bool:
-    tags = getattr(node.target, "tags", ())
-    return torch.Tag.pointwise in tags or packet_name(node) in _EXTRA_POINTWISE
+    return _op_facts(node.target)[2]
+
+
+@functools.lru_cache(maxsize=None)
+def _op_facts(target: Any) -> tuple[str, bool, bool]:
+    """``(packet name, draws from the RNG, pointwise)`` of an op: they depend on the op alone, and
+    reading an op's tags builds them anew each time, so the rules ask once per op."""
+    packet = getattr(target, "overloadpacket", None)
+    name = packet.__name__ if packet is not None else ""
+    tags = getattr(target, "tags", ())
+    return name, torch.Tag.nondeterministic_seeded in tags, torch.Tag.pointwise in tags or name in _EXTRA_POINTWISE
 
 
 def tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -181,21 +191,23 @@ def map_view(in_shape: Sequence[int], out_shape: Sequence[int], state: Split) ->
     return None
 
 
-def _pointwise(node: torch.fx.Node, st: Callable[[Any], State], out_shape: tuple[int, ...]) -> RuleResult:
+def _pointwise(node: torch.fx.Node, st: Callable[[Any], State], out_shape: tuple[int, ...],
+               tensors: Sequence[torch.fx.Node] | None = None) -> RuleResult:
     rank = len(out_shape)
-    tensors = tensor_args(node)
-    splits = [(a, st(a)) for a in tensors if isinstance(st(a), Split)]
-    partials = [(a, st(a)) for a in tensors if isinstance(st(a), Partial)]
+    states = [(a, st(a)) for a in (tensor_args(node) if tensors is None else tensors)]
+    splits = [(a, s) for a, s in states if isinstance(s, Split)]
+    partials = [(a, s) for a, s in states if isinstance(s, Partial)]
     if partials:
         return _linear_partial(node, st, splits, partials)
     dims = {(s.dim + rank - len(shape_of(a)), s.inner) for a, s in splits}
     if len(dims) != 1:
         return Barrier("operands carry the index on different dimensions")
     (dim, inner), = dims
-    for a in tensors:
-        if isinstance(st(a), Replicated):
-            aligned = dim - (rank - len(shape_of(a)))
-            if aligned >= 0 and shape_of(a)[aligned] != 1:
+    for a, s in states:
+        if isinstance(s, Replicated):
+            shape = shape_of(a)
+            aligned = dim - (rank - len(shape))
+            if aligned >= 0 and shape[aligned] != 1:
                 return Need(a, Split(aligned, inner))
     return Split(dim, inner)
 
@@ -354,12 +366,12 @@ def chunk_rule(node: torch.fx.Node, st: Callable[[Any], State], is_zero: Callabl
         return parent if isinstance(parent, Replicated) else Barrier("getitem of a non-tuple")
     tensors = tensor_args(node)
     in_states = [state(a) for a in tensors]
-    name = packet_name(node)
+    name, random, _ = _op_facts(node.target)
     if name in _NEW_FACTORIES or name in _FACTORIES:
         return REP  # shape-only: relabelled on demand (see Need handling)
     if all(isinstance(s, Replicated) for s in in_states):
         return REP
-    if is_random(node):
+    if random:
         return Barrier("random op")
     value = node.meta.get("val")
     out_shape = tuple(value.shape) if isinstance(value, torch.Tensor) else ()
@@ -499,7 +511,7 @@ def chunk_rule(node: torch.fx.Node, st: Callable[[Any], State], is_zero: Callabl
     if is_pointwise(node):
         if not out_shape and not isinstance(value, torch.Tensor):
             return Barrier("pointwise op without a tensor value")
-        return _pointwise(node, state, out_shape)
+        return _pointwise(node, state, out_shape, tensors)
     return Barrier(f"no chunk rule for {name or node.target}")
 
 
