@@ -239,6 +239,7 @@ class NodeFacts:
     saveable: bool = True  # a single tensor (emit cannot save a list of tensors)
     view_of: str | None = None  # the one input whose storage this node only views (no FLOPs, no storage)
     unit: str | None = None  # first node of the in-place unit it belongs to (see ``RematFacts.units``)
+    storages: tuple[int, ...] = ()  # the storages ``save_bytes`` counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,6 +252,7 @@ class RematFacts:
     total_flops: int  # FLOPs of the whole graph, forward and backward
     forward_flops: int
     units: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # member -> its unit
+    storage_bytes: Mapping[int, int] = dataclasses.field(default_factory=dict)  # storage id -> bytes
 
     @classmethod
     def compute(cls, graph: CapturedGraph, am: AnalysisManager,
@@ -292,6 +294,7 @@ class RematFacts:
                 why_not = _why_not_recomputable(node, position[node.name], tensors, written)
             else:
                 why_not = "graph input"
+            counted = _saved_storages(node, tensors, kept)
             parent = node.args[0] if node.target is operator.getitem else None
             if why_not is None and isinstance(parent, torch.fx.Node) and parent.name in facts \
                     and not facts[parent.name].recomputable:
@@ -304,7 +307,8 @@ class RematFacts:
                 expensive=packet_name(node) in ban,
                 signature=_signature(node),
                 flops=flops,
-                save_bytes=_save_bytes(node, tensors, kept),
+                save_bytes=sum(tensors.storages[sid].nbytes for sid in counted),
+                storages=counted,
                 saveable=node.op != "call_function" or isinstance(node.meta.get("val"), torch.Tensor),
                 view_of=_view_of(node, tensors) if node.op == "call_function" else None,
                 first_reader=first_reader,
@@ -316,12 +320,31 @@ class RematFacts:
             if not all(facts[m].recomputable for m in unit):
                 why = next(facts[m].why_not for m in unit if not facts[m].recomputable)
                 facts[member] = dataclasses.replace(facts[member], recomputable=False, why_not=why)
+        storage_bytes = {sid: tensors.storages[sid].nbytes for fact in facts.values() for sid in fact.storages}
         return cls(nodes=facts, inputs=inputs, needed=tuple(needed), total_flops=total, forward_flops=forward,
-                   units=units)
+                   units=units, storage_bytes=storage_bytes)
 
     def saved_bytes(self) -> int:
-        """Bytes the untouched graph saves (sum over needed nodes; shared storages counted once)."""
-        return sum(self.nodes[n].save_bytes for n in self.needed)
+        """Bytes the graph saves: the storages of needed nodes that cost to save, each counted once.
+
+        Not the sum of the nodes' saving costs: the views of one storage (the steps' slices of noise drawn
+        before a loop) would count it once per view, and the sum would grow with the square of the
+        loop's length.
+        """
+        seen: set[int] = set()
+        total = 0
+        for name in self.needed:
+            fact = self.nodes[name]
+            if fact.save_bytes == 0:
+                continue
+            if not fact.storages:
+                total += fact.save_bytes
+                continue
+            for sid in fact.storages:
+                if sid not in seen:
+                    seen.add(sid)
+                    total += self.storage_bytes[sid]
+        return total
 
 
 def _last_writes(graph: CapturedGraph, tensors: Tensors) -> dict[int, int]:
@@ -412,13 +435,10 @@ def _view_of(node: torch.fx.Node, tensors: Tensors) -> str | None:
     return None
 
 
-def _save_bytes(node: torch.fx.Node, tensors: Tensors, kept: frozenset[int]) -> int:
-    total = 0
-    for sid in sorted(set(tensors.storages_of(node.name))):
-        storage = tensors.storages[sid]
-        if not storage.external and sid not in kept:
-            total += storage.nbytes
-    return total
+def _saved_storages(node: torch.fx.Node, tensors: Tensors, kept: frozenset[int]) -> tuple[int, ...]:
+    """The storages that saving ``node`` keeps alive (not external, not kept by an output anyway)."""
+    return tuple(sid for sid in sorted(set(tensors.storages_of(node.name)))
+                 if not tensors.storages[sid].external and sid not in kept)
 
 
 def _signature(node: torch.fx.Node) -> str:
@@ -1628,6 +1648,9 @@ class VirtualSimulation:
             if kind == "o" and what not in direct:
                 args, creates, touches = as_given[what]
                 if moved.isdisjoint(args):
+                    # its storages are its node's: known to later readers without a walk back
+                    # through a chain of such nodes (an in-place chain runs the whole loop long)
+                    maps[item] = None
                     for sid in touches:
                         last[sid] = index
                     for sid in creates:

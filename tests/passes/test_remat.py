@@ -10,6 +10,7 @@ from torch import nn
 
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation
+from memplan.analysis.tensors import Tensors
 from memplan.api import optimize
 from memplan.capture import Phase, capture
 from memplan.errors import InfeasibleBudgetError, MemplanError
@@ -160,6 +161,26 @@ def test_latent_gru_recomputes_every_step_from_the_stacked_states():
     assert len(plan.recomputed) == 6 * 30
     assert record.stats.nodes_rewritten == len(plan.recomputed) + len(plan.stack_reads)
     assert not any(is_random(graph.node(n)) for n in plan.recomputed)
+
+
+def test_the_plan_of_a_loop_does_not_change_with_its_length():
+    """The cuts' prices are relative to the bytes the graph saves: a storage viewed by every step (the
+    noise drawn before the loop) counts once, so the same plan is chosen for 8 and for 48 steps."""
+    chosen = []
+    for steps in (8, 48):
+        torch.manual_seed(0)
+        model, inputs = LatentGRU(8, 16), (torch.randn(steps, 4, 8, requires_grad=True), torch.zeros(4, 16))
+        graph = graph_of(model, inputs)
+        am = AnalysisManager(graph)
+        facts = RematFacts.compute(graph, am)
+        noise = next(n for n in graph.gm.graph.nodes if is_random(n))
+        per_step = facts.saved_bytes() - am.get(Tensors).storages[am.get(Tensors).storages_of(noise.name)[0]].nbytes
+        chosen.append((steps, per_step, plan_remat(graph, am, Policy())[0]))
+    (short, short_bytes, a), (long, long_bytes, b) = chosen
+    # per step, the same bytes (up to the loop's ends); counted per view they would grow with the length
+    assert long_bytes / long == pytest.approx(short_bytes / short, rel=0.1)
+    assert a.label == b.label
+    assert len(b.plan.recomputed) * short == len(a.plan.recomputed) * long
 
 
 def test_seq2seq_recomputes_lstm_gates_written_in_place():
