@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -308,11 +309,26 @@ def _fusable_product(node: Any) -> tuple[torch.fx.Node, int] | None:
 
 
 class _Groups:
-    """Storage groups while planning: a rewritten node's output joins the storage it writes."""
+    """Storage groups while planning: a rewritten node's output joins the storage it writes.
 
-    def __init__(self, tensors: Tensors):
+    Each group keeps the last position at which any of its members is read (``math.inf`` when a graph
+    output reads one): a group grows by one member per in-place write, so rereading every member's
+    readers at each write was quadratic in the length of an accumulation chain.
+    """
+
+    def __init__(self, tensors: Tensors, by_name: Mapping[str, torch.fx.Node], position: Mapping[str, int]):
         self.root: dict[int, int] = {sid: sid for sid in tensors.storages}
         self.members: dict[int, list[str]] = {sid: list(s.members) for sid, s in tensors.storages.items()}
+        self.last_read: dict[int, float] = {}
+        for sid, members in self.members.items():
+            last: float = -1
+            for member in members:
+                for user in by_name[member].users:
+                    if user.op == "output":
+                        last = math.inf
+                    else:
+                        last = max(last, position.get(user.name, -1))
+            self.last_read[sid] = last
 
     def find(self, sid: int) -> int:
         while self.root[sid] != sid:
@@ -324,6 +340,11 @@ class _Groups:
         if into != other:
             self.root[other] = into
             self.members[into].extend(self.members.pop(other))
+            self.last_read[into] = max(self.last_read[into], self.last_read.pop(other))
+
+    def dead_after(self, root: int, p: int) -> bool:
+        """No member of group ``root`` is read after position ``p`` (nor by a graph output)."""
+        return self.last_read[root] <= p
 
 
 def plan_inplace(graph: CapturedGraph, am: AnalysisManager, options: InplaceOptions = InplaceOptions()) -> InplacePlan:
@@ -331,15 +352,8 @@ def plan_inplace(graph: CapturedGraph, am: AnalysisManager, options: InplaceOpti
     tensors, liveness = am.get(Tensors), am.get(Liveness)
     position = liveness.position
     by_name = {n.name: n for n in graph.gm.graph.nodes}
-    groups = _Groups(tensors)
+    groups = _Groups(tensors, by_name, position)
     rewrites: list[InplaceRewrite] = []
-
-    def dead_after(root: int, p: int) -> bool:
-        for member in groups.members[root]:
-            for user in by_name[member].users:
-                if user.op == "output" or position.get(user.name, -1) > p:
-                    return False
-        return True
 
     # Step 1: candidates, in graph order.
     for node in graph.gm.graph.nodes:
@@ -375,7 +389,7 @@ def plan_inplace(graph: CapturedGraph, am: AnalysisManager, options: InplaceOpti
                 continue
             if _other_alias(node, arg, root, tensors, groups):  # (e)
                 continue
-            if not dead_after(root, p):  # (a)
+            if not groups.dead_after(root, p):  # (a)
                 continue
             rewrites.append(
                 InplaceRewrite(node.name, arg.name, str(target), swap=index == 1, nbytes=storage.nbytes)
