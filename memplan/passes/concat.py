@@ -53,6 +53,7 @@ slice by slice looks to them like a storage written after it is read.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Mapping
 
 import torch
@@ -181,12 +182,18 @@ def plan_concats(graph: CapturedGraph, am: AnalysisManager) -> tuple[ConcatInPla
         # dies right after its copy instead of at its last reader.
         last = max([at] + [dies for _, dies, _ in freed])
         last = min(last, len(live) - 1)
-        delta = [nbytes if p < at else 0 for p in range(first, last + 1)]
+        # The change in live bytes over the window, as differences between neighbouring positions (a
+        # part's range summed position by position was quadratic in the length of an unrolled loop).
+        steps = [0] * (last - first + 2)
+        steps[0] += nbytes
+        steps[max(at, first) - first] -= nbytes
         for made, dies, size in freed:
-            for p in range(made + 1, min(dies, len(live) - 1) + 1):
-                delta[p - first] -= size
+            end = min(dies, len(live) - 1)
+            if made + 1 <= end:
+                steps[made + 1 - first] -= size
+                steps[end + 1 - first] += size
         window = live[first:last + 1]
-        new = [a + b for a, b in zip(window, delta)]
+        new = [a + b for a, b in zip(window, itertools.accumulate(steps))]
         if max(new) >= max(window) or max(new) > max(live):
             continue
         live[first:last + 1] = new
