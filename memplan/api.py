@@ -203,13 +203,18 @@ class OptimizedModule(nn.Module):
         start = time.perf_counter()
         original = self.original
         graph = capture(original, *args, seed="tangents", **kwargs)
-        _check_mutations(graph)
-        eager = MemoryAnalysis.from_graph(graph)
+        captured = AnalysisManager(graph)
+        _check_mutations(graph, captured)
+        eager = MemoryAnalysis.from_graph(graph, captured)
         # Passes edit the graph they are given; keep the captured one intact for reports.
         result = PassManager(self.passes, self.policy, options=self.options).run(copy_graph(graph))
-        planned = MemoryAnalysis.from_graph(result.graph)
+        # The pipeline hands over the analyses of its last graph (computing them again took seconds).
+        analyses = result.analyses
+        if analyses is None or analyses.graph is not result.graph:
+            analyses = AnalysisManager(result.graph)
+        planned = MemoryAnalysis.from_graph(result.graph, analyses)
         emitted = emit(result.graph)
-        tensors = AnalysisManager(result.graph).get(Tensors)
+        tensors = analyses.get(Tensors)
         saved_storages = {sid for name in emitted.saved for sid in tensors.storages_of(name) if not tensors.storages[sid].external}
         saved_bytes = sum(tensors.storages[sid].nbytes for sid in saved_storages)
         self.plans_built += 1
@@ -276,9 +281,9 @@ def _external_bytes(graph: CapturedGraph) -> int:
     return total
 
 
-def _check_mutations(graph: CapturedGraph) -> None:
+def _check_mutations(graph: CapturedGraph, am: AnalysisManager | None = None) -> None:
     """In-place writes to inputs that require grad cannot go through one autograd.Function."""
-    tensors = AnalysisManager(graph).get(Tensors)
+    tensors = (am or AnalysisManager(graph)).get(Tensors)
     owner = {}
     for spec in graph.inputs:
         for sid in tensors.storages_of(spec.node):
