@@ -21,7 +21,7 @@ import dataclasses
 import json
 import pathlib
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -306,6 +306,9 @@ class PipelineResult:
 
 Instrument = Callable[[str, CapturedGraph], None]
 
+#: Each budgeted rung of :meth:`PassManager.ladder` aims this fraction of the lowest peak before it.
+LADDER_STEP = 0.85
+
 
 class PassManager:
     """Runs a pipeline of registered passes with verification after each change.
@@ -343,31 +346,61 @@ class PassManager:
         return ",".join(self.passes)
 
     def run(self, graph: CapturedGraph) -> PipelineResult:
-        """Run the passes on ``graph`` (edited in place) and return the last graph with a record per pass.
+        """Run the passes on ``graph`` and return the last graph with a record per pass.
 
-        With a budget, the passes first run with ``when_over="overhead"``: a pass that cannot reach the
-        budget alone chooses as without one, since a later pass may reach it. If the pipeline's plan still
-        misses the budget, it runs again on the captured graph with ``when_over="lowest"``, and if even
-        that misses, :class:`~memplan.errors.InfeasibleBudgetError` names the smallest peak reached.
+        Without a budget (or with one and ``when_over`` other than ``"raise"``), the passes run once,
+        editing ``graph`` in place, each choosing under the policy.
+
+        With a budget, the plan is the first rung of a fixed ladder of plans that fits it
+        (:meth:`ladder`); ``graph`` is left as it is. The ladder does not depend on the budget and its
+        peaks only fall from rung to rung, so the chosen peak never rises as the budget falls, which a
+        budget handed to every pass does not promise (a pass that reaches a tighter budget alone can
+        leave a later pass less to gain). When no rung fits,
+        :class:`~memplan.errors.InfeasibleBudgetError` names the smallest peak of the ladder.
         """
         budget = self.policy.budget
         if budget is None or self.policy.when_over != "raise":
             return self._run(graph, self.policy)
-        spare = copy_graph(graph)
-        first = self._run(graph, dataclasses.replace(self.policy, when_over="overhead"))
-        reached = _step_peak(first.graph)
-        if reached <= budget:
-            return first
-        second = self._run(spare, dataclasses.replace(self.policy, when_over="lowest"))
-        lowest = _step_peak(second.graph)
-        if lowest <= budget:
-            return second
+        smallest = None
+        for result, peak in self.ladder(graph):
+            smallest = peak
+            if peak <= budget:
+                return result
         raise InfeasibleBudgetError(
             f"no plan of the pipeline {','.join(self.passes) or '(empty)'} fits the budget of "
-            f"{format_bytes(budget)}: the smallest peak its plans reach is {format_bytes(min(reached, lowest))}. Fix: "
+            f"{format_bytes(budget)}: the smallest peak its plans reach is {format_bytes(smallest)}. Fix: "
             "raise the budget, lower the batch size, or enable more passes.",
-            smallest=min(reached, lowest),
+            smallest=smallest,
         )
+
+    def ladder(self, graph: CapturedGraph) -> Iterator[tuple[PipelineResult, int]]:
+        """Plans of ``graph`` from the least extra compute to the lowest peak, with their step peaks.
+
+        The first rung is the plan with no extra compute (``max_overhead=0``). Each later rung is the
+        plan for a budget of :data:`LADDER_STEP` times the lowest peak so far: its passes first choose
+        with ``when_over="overhead"`` (a later pass may reach the budget), then, if the pipeline misses
+        it, with ``when_over="lowest"``. The ladder ends at a rung that misses its budget (kept when it
+        is still lower than every rung before it). Nothing here reads the policy's budget, so for any
+        budget the first rung that fits is the same walk cut short. The price: a budget just below a
+        rung gets the next one, whose peak (and compute) may be lower than the budget needs. Rungs are
+        built lazily, one pipeline run or two each, from copies of ``graph``.
+        """
+        result = self._run(copy_graph(graph), dataclasses.replace(self.policy, budget=None, max_overhead=0.0))
+        lowest = _step_peak(result.graph)
+        yield result, lowest
+        while True:
+            target = int(lowest * LADDER_STEP)
+            result = self._run(copy_graph(graph), dataclasses.replace(self.policy, budget=target, when_over="overhead"))
+            peak = _step_peak(result.graph)
+            if peak > target:
+                result = self._run(copy_graph(graph), dataclasses.replace(self.policy, budget=target, when_over="lowest"))
+                peak = _step_peak(result.graph)
+            if peak >= lowest:
+                return
+            lowest = peak
+            yield result, peak
+            if peak > target:
+                return  # the lowest plan for a budget it misses: no later rung gets lower
 
     def _run(self, graph: CapturedGraph, policy: Policy) -> PipelineResult:
         graph = dataclasses.replace(graph, lifetimes="graph")

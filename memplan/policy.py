@@ -5,9 +5,9 @@ A pass may produce several candidate plans (e.g. save more, recompute less). The
 - with a ``budget``: the candidate with the least extra compute whose predicted peak fits the budget,
   ties broken by lower peak; if none fits, what ``when_over`` says: ``"raise"``
   :class:`~memplan.errors.InfeasibleBudgetError` naming the smallest reachable peak, ``"overhead"`` choose
-  as without a budget, ``"lowest"`` the lowest peak whatever it costs. A pipeline runs its passes with
-  ``"overhead"`` (a later pass may reach the budget), then with ``"lowest"``, and raises only when even
-  that misses the budget;
+  as without a budget, ``"lowest"`` the lowest peak whatever it costs. A pipeline given a budget runs
+  the first plan of a budget-independent ladder that fits it (see
+  :meth:`~memplan.pipeline.PassManager.ladder`), and raises only when no rung does;
 - without one: the lowest predicted peak whose extra compute is at most ``max_overhead`` (a fraction of
   the original compute), ties broken by less overhead.
 

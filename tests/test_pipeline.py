@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from memplan.analysis.manager import AnalysisManager
-from memplan.analysis.peak import PeakSimulation
+from memplan.analysis.peak import PeakSimulation, step_margin
 from memplan.analysis.tensors import Tensors
 from memplan.capture import capture
 from memplan.errors import PassError
@@ -164,3 +164,35 @@ def test_the_pipeline_takes_over_the_analyses_a_pass_made_of_its_result():
     fresh = AnalysisManager(result.graph)
     assert HANDED[-1] == fresh.get(PeakSimulation)
     assert result.records[0].peak_after == fresh.get(PeakSimulation).peak
+
+
+def test_the_default_pipeline_never_measures_higher_as_the_budget_falls():
+    """A budget picks the first rung of a budget-independent ladder whose peaks only fall: the measured
+    peak of the plan never rises as the budget falls, and each plan is the first rung that fits."""
+    from memplan.api import DEFAULT_PIPELINE, optimize
+    from memplan.errors import InfeasibleBudgetError
+    from memplan.examples.latent_gru import LatentGRU
+    from memplan.measure import measure
+    from memplan.policy import Policy
+    from memplan.steps import step_fn
+
+    torch.manual_seed(0)
+    model, inputs = LatentGRU(8, 16), (torch.randn(16, 4, 8, requires_grad=True), torch.zeros(4, 16))
+    graph = capture(model, *inputs, seed="tangents")
+    rungs = [peak for _, peak in PassManager(DEFAULT_PIPELINE, Policy(budget=1)).ladder(graph)]
+    assert len(rungs) >= 3 and all(a > b for a, b in zip(rungs, rungs[1:]))
+    last = None
+    for budget in (rungs[0] + 1, rungs[1], (rungs[1] + rungs[2]) // 2):  # above, on a rung, between two
+        opt = optimize(model, budget=budget)
+        step = step_fn(opt, inputs, train=True)
+        torch.manual_seed(0)
+        step()
+        assert opt.plan.planned_peak + step_margin(opt.plan.graph) == next(p for p in rungs if p <= budget)
+        torch.manual_seed(0)
+        peak = measure(step).peak
+        assert peak <= budget
+        assert last is None or peak <= last
+        last = peak
+    with pytest.raises(InfeasibleBudgetError) as caught:
+        optimize(model, budget=rungs[-1] - 1)(*inputs)
+    assert caught.value.smallest == rungs[-1]
