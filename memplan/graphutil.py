@@ -194,15 +194,20 @@ class GraphEditor:
         before: torch.fx.Node | None = None,
         after: torch.fx.Node | None = None,
         name: str | None = None,
+        value: Any = None,
     ) -> torch.fx.Node:
-        """Insert ``target(*args, **kwargs)``; its phase and source come from ``like`` unless given."""
+        """Insert ``target(*args, **kwargs)``; its phase and source come from ``like`` unless given.
+
+        ``value``: its fake value when the caller knows it (an in-place op's is its ``self``'s), which
+        saves running the op under the fake mode; by default the op runs.
+        """
         if (before is None) == (after is None):
             raise ValueError("give exactly one of before= or after=")
         graph = self.gm.graph
         ctx = graph.inserting_before(before) if before is not None else graph.inserting_after(after)
         with ctx:
             node = graph.call_function(target, args, kwargs or {}, name=name)
-        node.meta["val"] = fake_value(target, args, kwargs)
+        node.meta["val"] = fake_value(target, args, kwargs) if value is None else value
         self._inherit(node, like, phase)
         self.changed = True
         return node

@@ -58,6 +58,7 @@ from collections.abc import Mapping
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memplan.analysis.manager import AnalysisManager
@@ -230,7 +231,9 @@ def apply_concats(graph: CapturedGraph, concats: tuple[ConcatInPlace, ...]) -> C
                 view = editor.call(torch.ops.aten.slice.Tensor, (buffer, concat.dim, start, start + length),
                                    like=part, after=anchor)
                 start += length
-            copy = editor.call(torch.ops.aten.copy_.default, (view, part), like=part, after=view)
+            # copy_ returns its ``self``, of the part's shape: the slice's own fake value, with no dispatch.
+            written = view.meta["val"] if _same_shape(view, part) else None
+            copy = editor.call(torch.ops.aten.copy_.default, (view, part), like=part, after=view, value=written)
             if spec.redirect:
                 # read through the copy: the value as written, defined at the write
                 part.replace_all_uses_with(copy, delete_user_cb=lambda user: user not in (node, copy, buffer))
@@ -245,6 +248,13 @@ def apply_concats(graph: CapturedGraph, concats: tuple[ConcatInPlace, ...]) -> C
                                                for _, v in tensor_values(later)):
             later.meta["val"] = fake_value(later.target, later.args, later.kwargs)
     return editor.finish()
+
+
+def _same_shape(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    """Both nodes hold fake tensors of one shape and dtype (a copy between them needs no broadcast)."""
+    x, y = a.meta.get("val"), b.meta.get("val")
+    return (isinstance(x, FakeTensor) and isinstance(y, FakeTensor) and x.shape == y.shape
+            and x.dtype == y.dtype and x.device == y.device)
 
 
 # ----------------------------------------------------------------------------------------------
