@@ -1529,33 +1529,45 @@ class VirtualSimulation:
         """Bytes live right after each node of the applied graph (``SimEvent.live``), in its order."""
         # Where each new node goes: copies before their anchor node (creation order), then each slice
         # of a stack read before the first backward node or copy that reads its value.
-        before: dict[tuple[str, Any], list[tuple[str, Any]]] = {}
+        before: dict[str, list[tuple[str, Any]]] = {}
+        # An item's place in the sequence, comparable without building it: a copy comes before its
+        # anchor node, after the copies made before it.
+        rank: dict[tuple[str, Any], tuple[int, int, int]] = {}
         if copies is not None:
             for key in copies.copies:
-                before.setdefault(("o", self.names[copies.anchors[key]]), []).append(("c", key))
-        sequence: list[tuple[str, Any]] = []
-        for name in self.order:
-            sequence.extend(before.get(("o", name), ()))
-            sequence.append(("o", name))
+                anchor = self.names[copies.anchors[key]]
+                made = before.setdefault(anchor, [])
+                rank[("c", key)] = (self.position.get(anchor, -1), 0, len(made))
+                made.append(("c", key))
+
+        def place(item: tuple[str, Any]) -> tuple[int, int, int]:
+            return rank[item] if item[0] == "c" else (self.position[item[1]], 1, 0)
+
         redirect: dict[tuple[tuple[str, Any], str], int] = {}
+        slices: dict[tuple[str, Any], list[tuple[str, Any]]] = {}
         if reads:
-            index = {item: i for i, item in enumerate(sequence)}
             copy_readers: dict[str, list[tuple[str, Any]]] = {}
             for key, sources in (copies.sources.items() if copies is not None else ()):
                 for arg, held in sources.items():
                     if held is None:
                         copy_readers.setdefault(arg, []).append(("c", key))
-            slices: dict[tuple[str, Any], list[tuple[str, Any]]] = {}
             for i, read in enumerate(reads):
                 via = [("o", r) for r in self.backward_users[read.value]
                        if copies is None or read.value not in copies.reads.get(r, {})]
                 readers = via + copy_readers.get(read.value, [])
                 if not readers:
                     continue
-                slices.setdefault(min(readers, key=index.__getitem__), []).append(("s", i))
+                slices.setdefault(min(readers, key=place), []).append(("s", i))
                 for reader in readers:
                     redirect[(reader, read.value)] = i
-            sequence = [new for item in sequence for new in (*slices.get(item, ()), item)]
+        sequence: list[tuple[str, Any]] = []
+        for name in self.order:
+            for item in before.get(name, ()):
+                sequence.extend(slices.get(item, ()))
+                sequence.append(item)
+            item = ("o", name)
+            sequence.extend(slices.get(item, ()))
+            sequence.append(item)
 
         created: dict[int, int] = {}  # new storage id -> bytes
         maps: dict[tuple[str, Any], dict[int, int] | None] = {}  # item -> {storage of its node: storage it has}
@@ -1626,14 +1638,22 @@ class VirtualSimulation:
             maps[item] = result
             return result
 
+        alias_cache: dict[tuple[str, Any], tuple[int, ...]] = {}  # an item is read by several later ones
+
         def aliases_of(item: tuple[str, Any]) -> tuple[int, ...]:
+            found = alias_cache.get(item)
+            if found is not None:
+                return found
             kind, what = item
             if kind == "s":
-                return tuple(dict.fromkeys(storage_map(item).values()))
-            name = what if kind == "o" else what[1]
-            mapping = storage_map(item)
-            base = self.aliases.get(name, ())
-            return base if mapping is None else tuple(dict.fromkeys(mapping[sid] for sid in base))
+                found = tuple(dict.fromkeys(storage_map(item).values()))
+            else:
+                name = what if kind == "o" else what[1]
+                mapping = storage_map(item)
+                base = self.aliases.get(name, ())
+                found = base if mapping is None else tuple(dict.fromkeys(mapping[sid] for sid in base))
+            alias_cache[item] = found
+            return found
 
         # A node of the graph that reads no copy or slice, and no node whose storages moved, aliases and
         # reads what it did before the plan: its storages are known without following its arguments.
