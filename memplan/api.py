@@ -206,8 +206,10 @@ class OptimizedModule(nn.Module):
         captured = AnalysisManager(graph)
         _check_mutations(graph, captured)
         eager = MemoryAnalysis.from_graph(graph, captured)
-        # Passes edit the graph they are given; keep the captured one intact for reports.
-        result = PassManager(self.passes, self.policy, options=self.options).run(copy_graph(graph))
+        # Passes edit the graph they are given; keep the captured one intact for reports. The copy has the
+        # captured graph's nodes and fake values, so its tensor facts are the captured ones.
+        result = PassManager(self.passes, self.policy, options=self.options).run(
+            copy_graph(graph), known={Tensors: captured.get(Tensors)})
         # The pipeline hands over the analyses of its last graph (computing them again took seconds).
         analyses = result.analyses
         if analyses is None or analyses.graph is not result.graph:

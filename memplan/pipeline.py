@@ -345,8 +345,12 @@ class PassManager:
     def pipeline(self) -> str:
         return ",".join(self.passes)
 
-    def run(self, graph: CapturedGraph) -> PipelineResult:
+    def run(self, graph: CapturedGraph, known: Mapping[type, Any] | None = None) -> PipelineResult:
         """Run the passes on ``graph`` and return the last graph with a record per pass.
+
+        ``known``: analyses of ``graph`` the caller already has, by class, that do not read
+        ``graph.lifetimes`` (the pipeline plans with graph lifetimes), e.g. the :class:`Tensors` of the
+        graph ``graph`` was copied from: a copy has the same nodes, order and fake values.
 
         Without a budget (or with one and ``when_over`` other than ``"raise"``), the passes run once,
         editing ``graph`` in place, each choosing under the policy.
@@ -360,9 +364,9 @@ class PassManager:
         """
         budget = self.policy.budget
         if budget is None or self.policy.when_over != "raise":
-            return self._run(graph, self.policy)
+            return self._run(graph, self.policy, known)
         smallest = None
-        for result, peak in self.ladder(graph):
+        for result, peak in self.ladder(graph, known):
             smallest = peak
             if peak <= budget:
                 return result
@@ -373,7 +377,7 @@ class PassManager:
             smallest=smallest,
         )
 
-    def ladder(self, graph: CapturedGraph) -> Iterator[tuple[PipelineResult, int]]:
+    def ladder(self, graph: CapturedGraph, known: Mapping[type, Any] | None = None) -> Iterator[tuple[PipelineResult, int]]:
         """Plans of ``graph`` from the least extra compute to the lowest peak, with their step peaks.
 
         The first rung is the plan with no extra compute (``max_overhead=0``). Each later rung is the
@@ -383,17 +387,17 @@ class PassManager:
         is still lower than every rung before it). Nothing here reads the policy's budget, so for any
         budget the first rung that fits is the same walk cut short. The price: a budget just below a
         rung gets the next one, whose peak (and compute) may be lower than the budget needs. Rungs are
-        built lazily, one pipeline run or two each, from copies of ``graph``.
+        built lazily, one pipeline run or two each, from copies of ``graph``. ``known``: as for :meth:`run`.
         """
-        result = self._run(copy_graph(graph), dataclasses.replace(self.policy, budget=None, max_overhead=0.0))
+        result = self._run(copy_graph(graph), dataclasses.replace(self.policy, budget=None, max_overhead=0.0), known)
         lowest = _step_peak(result.graph)
         yield result, lowest
         while True:
             target = int(lowest * LADDER_STEP)
-            result = self._run(copy_graph(graph), dataclasses.replace(self.policy, budget=target, when_over="overhead"))
+            result = self._run(copy_graph(graph), dataclasses.replace(self.policy, budget=target, when_over="overhead"), known)
             peak = _step_peak(result.graph)
             if peak > target:
-                result = self._run(copy_graph(graph), dataclasses.replace(self.policy, budget=target, when_over="lowest"))
+                result = self._run(copy_graph(graph), dataclasses.replace(self.policy, budget=target, when_over="lowest"), known)
                 peak = _step_peak(result.graph)
             if peak >= lowest:
                 return
@@ -402,9 +406,9 @@ class PassManager:
             if peak > target:
                 return  # the lowest plan for a budget it misses: no later rung gets lower
 
-    def _run(self, graph: CapturedGraph, policy: Policy) -> PipelineResult:
+    def _run(self, graph: CapturedGraph, policy: Policy, known: Mapping[type, Any] | None = None) -> PipelineResult:
         graph = dataclasses.replace(graph, lifetimes="graph")
-        am = AnalysisManager(graph)
+        am = AnalysisManager(graph, known)
         baseline_hazards = mutation_hazards(graph, am)
         records = []
         for i, name in enumerate(self.passes):

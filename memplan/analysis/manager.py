@@ -7,6 +7,7 @@ once per changed pass (never per mutation).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar, TypeVar
 
 from memplan.capture import CapturedGraph
@@ -42,10 +43,12 @@ class AnalysisManager:
     True
     """
 
-    def __init__(self, graph: CapturedGraph):
+    def __init__(self, graph: CapturedGraph, known: "Mapping[type, Analysis] | None" = None):
+        """``known``: analyses of ``graph`` the caller already has (those of a copy with the same nodes,
+        order and fake values, which are equal), taken as computed."""
         self.graph = graph
         self.version = 0
-        self._cache: dict[tuple[type, int], Any] = {}
+        self._cache: dict[tuple[type, int], Any] = {(cls, 0): value for cls, value in (known or {}).items()}
 
     def get(self, analysis: type[A]) -> A:
         key = (analysis, self.version)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.fx
@@ -63,16 +64,28 @@ class Tensors(Analysis):
 
     @classmethod
     def compute(cls, graph: CapturedGraph, am: AnalysisManager) -> "Tensors":
+        # One pass over every fake tensor of the graph (hundreds of thousands on an unrolled loop), so
+        # the loop reads each fact once and keeps to local names.
         ids: dict[int, int] = {}  # storage address -> id (fake values keep every storage alive)
         sizes: dict[int, int] = {}
         creators: dict[int, str] = {}
         external: dict[int, bool] = {}
         members: dict[int, list[str]] = {}
         tensors: dict[str, tuple[TensorInfo, ...]] = {}
+        Tensor = torch.Tensor
         for node in graph.gm.graph.nodes:
+            value = node.meta.get("val")
+            if isinstance(value, Tensor):
+                values: Any = ((None, value),)
+            elif isinstance(value, (tuple, list)):
+                values = [(i, v) for i, v in enumerate(value) if isinstance(v, Tensor)]
+                if not values:
+                    continue
+            else:
+                continue
             name = node.name
             infos = []
-            for index, value in tensor_values(node):
+            for index, value in values:
                 storage = value.untyped_storage()
                 nbytes = int(storage.nbytes())
                 sid = ids.get(storage._cdata)
@@ -84,22 +97,16 @@ class Tensors(Analysis):
                     members[sid] = [name]
                 else:
                     # a resize inside the graph can only grow what must be held
-                    sizes[sid] = max(sizes[sid], nbytes)
-                    if members[sid][-1] != name:
-                        members[sid].append(name)
+                    if nbytes > sizes[sid]:
+                        sizes[sid] = nbytes
+                    named = members[sid]
+                    if named[-1] != name:
+                        named.append(name)
                 infos.append(
-                    TensorInfo(
-                        node=name,
-                        index=index,
-                        shape=tuple(map(int, value.shape)),
-                        dtype=value.dtype,
-                        device=value.device,
-                        nbytes=int(value.numel() * value.element_size()),
-                        storage=sid,
-                    )
+                    TensorInfo(name, index, tuple(value.shape), value.dtype, value.device,
+                               value.nbytes, sid)
                 )
-            if infos:
-                tensors[node.name] = tuple(infos)
+            tensors[name] = tuple(infos)
         storages = {
             sid: StorageInfo(sid, sizes[sid], creators[sid], external[sid], tuple(members[sid])) for sid in sizes
         }
