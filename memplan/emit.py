@@ -62,7 +62,6 @@ class Emitted:
 def _boxed(root: torch.nn.Module, graph: torch.fx.Graph, name: str) -> torch.fx.GraphModule:
     """A boxed GraphModule of ``graph``, lazy: it runs through :func:`fast_callable`, which generates the
     code itself, so the module's own code is generated only when read (``Emitted.code``) or called."""
-    _drop_detaches(graph)
     graph.set_codegen(_BoxedCodeGen())
     return _LazyGraphModule(root, graph, class_name=name)
 
@@ -94,13 +93,13 @@ def emit(graph: CapturedGraph) -> Emitted:
             if any(u.op != "output" and not is_forward(u) for u in node.users):
                 saved.append(node)
 
-    # Step 2: the forward module.
+    # Step 2: the forward module (detaches are not copied: see _is_detach).
     fwd = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in nodes:
         if node.op == "output" or not is_forward(node):
             continue
-        env[node] = fwd.node_copy(node, lambda n: env[n])
+        env[node] = env[node.args[0]] if _is_detach(node) else fwd.node_copy(node, lambda n: env[n])
     constant_outputs = []
     fwd_outputs: list[Any] = []
     for i, value in enumerate(flat_output_args[: len(model_outputs)]):
@@ -127,7 +126,7 @@ def emit(graph: CapturedGraph) -> Emitted:
         for node in nodes:
             if node.op in ("placeholder", "output") or is_forward(node):
                 continue
-            benv[node] = bwd.node_copy(node, lambda n: benv[n])
+            benv[node] = benv[node.args[0]] if _is_detach(node) else bwd.node_copy(node, lambda n: benv[n])
         grads = []
         for value in flat_output_args[len(model_outputs) :]:
             grads.append(benv[value] if isinstance(value, torch.fx.Node) else value)
@@ -230,24 +229,11 @@ def _as_traced_layout(grad: torch.Tensor) -> torch.Tensor:
     return grad.contiguous()
 
 
-def _drop_detaches(graph: torch.fx.Graph) -> None:
-    """``detach`` is a no-op outside autograd (both modules run under it); remove it to save Python time.
-
-    Readers are pointed past every detach first, each reader rewritten once, and the detaches erased
-    last: replacing them one at a time rewrites a reader with many inputs (the forward's output, which
-    returns every saved value) once per detach it reads, quadratic in the size of the graph.
-    """
-    source: dict[torch.fx.Node, torch.fx.Node] = {}
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target is torch.ops.aten.detach.default:
-            source[node] = source.get(node.args[0], node.args[0])
-    if not source:
-        return
-    for node in graph.nodes:
-        if node not in source and any(arg in source for arg in node.all_input_nodes):
-            node.args, node.kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda arg: source.get(arg, arg))
-    for node in reversed(list(source)):
-        graph.erase_node(node)
+def _is_detach(node: torch.fx.Node) -> bool:
+    """``detach`` is a no-op outside autograd (both modules run under it): the copy reads its input
+    instead, which saves the Python time of running it. Skipping it while copying, rather than erasing
+    it after, also spares rewriting its readers (the forward's output, which returns every saved value)."""
+    return node.op == "call_function" and node.target is torch.ops.aten.detach.default
 
 
 def run_inference(emitted: Emitted, flat: Sequence[torch.Tensor]) -> list[Any]:
