@@ -1493,11 +1493,13 @@ class VirtualSimulation:
         tensors = am.get(Tensors)
         nodes = list(graph.gm.graph.nodes)
         self.names = tuple(n.name for n in nodes)  # copy anchors index this (all nodes, graph order)
+        self.index = {name: i for i, name in enumerate(self.names)}
         self.order = tuple(n.name for n in nodes if n.op not in ("placeholder", "get_attr", "output"))
         self.position = {name: i for i, name in enumerate(self.order)}
         self.inputs = {n.name: tuple(a.name for a in n.all_input_nodes) for n in nodes if n.op == "call_function"}
-        self.aliases = {n.name: tuple(dict.fromkeys(tensors.storages_of(n.name))) for n in nodes}
-        self.value_bytes = {n.name: tensors.info(n.name).nbytes for n in nodes if tensors.info(n.name) is not None}
+        infos = tensors.tensors
+        self.aliases = {n.name: tuple(dict.fromkeys(info.storage for info in infos.get(n.name, ()))) for n in nodes}
+        self.value_bytes = {name: infos[name][0].nbytes for name in self.names if infos.get(name)}
         self.storages = tensors.storages
         output = next(n for n in reversed(nodes) if n.op == "output")
         self.outputs = tuple(a.name for a in output.all_input_nodes)
@@ -1506,16 +1508,19 @@ class VirtualSimulation:
         }
         self.next_id = max(self.storages, default=-1) + 1
         self.margin = step_margin(graph)
-        # What each node does in the graph as given: its inputs, the storages it creates, and those it
-        # touches (aliases or reads).
-        self.as_given = {
-            name: (
-                self.inputs.get(name, ()),
-                tuple(sid for sid in self.aliases[name] if self.storages[sid].creator == name),
-                self.aliases[name] + tuple(sid for arg in self.inputs.get(name, ()) for sid in self.aliases.get(arg, ())),
-            )
-            for name in self.order
-        }
+        # The timeline works on item ids (ints: a node of the graph is its index in ``names``), so it
+        # hashes no tuples. What each node does in the graph as given: the ids of its inputs, the
+        # storages it creates, and those it touches (aliases or reads).
+        index, aliases, storages = self.index, self.aliases, self.storages
+        self.arg_ids = tuple(tuple(index[a] for a in self.inputs.get(name, ())) for name in self.names)
+        self.alias_ids = tuple(aliases[name] for name in self.names)
+        self.created_by = tuple(frozenset(sid for sid in aliases[name] if storages[sid].creator == name)
+                                for name in self.names)
+        self.touches = tuple(
+            aliases[name] + tuple(sid for arg in self.inputs.get(name, ()) for sid in aliases[arg])
+            for name in self.names
+        )
+        self.order_ids = tuple(index[name] for name in self.order)
 
     def step_peak(self, reads: Sequence[StackRead] = (), copies: CopyPlan | None = None) -> int:
         """:meth:`peak` plus :func:`step_margin`: the peak ``memplan.measure`` reports for a training step."""
@@ -1527,107 +1532,145 @@ class VirtualSimulation:
 
     def timeline(self, reads: Sequence[StackRead] = (), copies: CopyPlan | None = None) -> list[int]:
         """Bytes live right after each node of the applied graph (``SimEvent.live``), in its order."""
-        # Where each new node goes: copies before their anchor node (creation order), then each slice
-        # of a stack read before the first backward node or copy that reads its value.
-        before: dict[str, list[tuple[str, Any]]] = {}
-        # An item's place in the sequence, comparable without building it: a copy comes before its
-        # anchor node, after the copies made before it.
-        rank: dict[tuple[str, Any], tuple[int, int, int]] = {}
-        if copies is not None:
-            for key in copies.copies:
-                anchor = self.names[copies.anchors[key]]
-                made = before.setdefault(anchor, [])
-                rank[("c", key)] = (self.position.get(anchor, -1), 0, len(made))
-                made.append(("c", key))
-
-        def place(item: tuple[str, Any]) -> tuple[int, int, int]:
-            return rank[item] if item[0] == "c" else (self.position[item[1]], 1, 0)
-
-        redirect: dict[tuple[tuple[str, Any], str], int] = {}
-        slices: dict[tuple[str, Any], list[tuple[str, Any]]] = {}
-        if reads:
-            copy_readers: dict[str, list[tuple[str, Any]]] = {}
-            for key, sources in (copies.sources.items() if copies is not None else ()):
-                for arg, held in sources.items():
-                    if held is None:
-                        copy_readers.setdefault(arg, []).append(("c", key))
-            for i, read in enumerate(reads):
-                via = [("o", r) for r in self.backward_users[read.value]
-                       if copies is None or read.value not in copies.reads.get(r, {})]
-                readers = via + copy_readers.get(read.value, [])
-                if not readers:
-                    continue
-                slices.setdefault(min(readers, key=place), []).append(("s", i))
-                for reader in readers:
-                    redirect[(reader, read.value)] = i
-        sequence: list[tuple[str, Any]] = []
-        for name in self.order:
-            for item in before.get(name, ()):
-                sequence.extend(slices.get(item, ()))
-                sequence.append(item)
-            item = ("o", name)
-            sequence.extend(slices.get(item, ()))
-            sequence.append(item)
-
-        created: dict[int, int] = {}  # new storage id -> bytes
-        maps: dict[tuple[str, Any], dict[int, int] | None] = {}  # item -> {storage of its node: storage it has}
-
-        def new_storage(nbytes: int) -> int:
-            sid = self.next_id + len(created)
-            created[sid] = nbytes
-            return sid
-
+        # Items are ids: a node of the graph is its index in ``names``, copy ``k`` (creation order) is
+        # ``count + k``, the slice of ``reads[i]`` is ``first_slice + i``.
+        index, names, count = self.index, self.names, len(self.names)
+        keys = copies.copies if copies is not None else ()
+        copy_of = {key: count + k for k, key in enumerate(keys)}
+        first_slice = count + len(keys)
+        total = first_slice + len(reads)
         units = copies.units if copies is not None else {}
 
         def root(name: str) -> str:
             unit = units.get(name)
             return unit[0] if unit is not None else name
 
-        def reads_of(item: tuple[str, Any]) -> list[tuple[str, Any]]:
-            kind, what = item
-            if kind == "s":
-                return [("o", reads[what].stack)]
-            if kind == "o":
-                via = copies.reads.get(what, {}) if copies is not None else {}
-                args = self.inputs.get(what, ())
-                out = [("c", (via[arg], root(arg))) if arg in via else ("o", arg) for arg in args]
-            else:
-                sources = copies.sources[what]
-                args = tuple(sources)  # a unit reads the outside inputs of all its members
-                out = [("o", arg) if sources.get(arg) is None else ("c", (sources[arg], root(arg))) for arg in args]
-            if redirect:
-                out = [("s", redirect[(item, arg)]) if (item, arg) in redirect else ref for arg, ref in zip(args, out)]
-            return out
+        # What each copy is a copy of, and what it reads: the original (its id) or a copy.
+        node_of: list[int] = list(range(count))  # item -> id of the node of the graph it stands for
+        copy_args: list[tuple[int, ...]] = []  # per copy: ids of the originals of its inputs
+        copy_reads: list[list[int]] = []  # per copy: the items it reads
+        for key in keys:
+            sources = copies.sources[key]
+            node_of.append(index[key[1]])
+            copy_args.append(tuple(index[arg] for arg in sources))  # a unit reads the outside inputs of all its members
+            copy_reads.append([index[arg] if held is None else copy_of[(held, root(arg))]
+                               for arg, held in sources.items()])
+        node_of.extend(index[read.value] for read in reads)
 
-        def storage_map(item: tuple[str, Any]) -> dict[int, int] | None:
+        # Where each new item goes: copies before their anchor node (creation order), then each slice
+        # of a stack read before the first backward node or copy that reads its value.
+        before: dict[int, list[int]] = {}
+        rank: dict[int, tuple[int, int, int]] = {}  # an item's place in the sequence, comparable without building it
+        for k, key in enumerate(keys):
+            anchor = names[copies.anchors[key]]
+            made = before.setdefault(index[anchor], [])
+            rank[count + k] = (self.position.get(anchor, -1), 0, len(made))
+            made.append(count + k)
+
+        def place(item: int) -> tuple[int, int, int]:
+            return rank[item] if item >= count else (self.position[names[item]], 1, 0)
+
+        redirect: dict[tuple[int, int], int] = {}  # (reader item, id of the value it reads) -> slice item
+        slices: dict[int, list[int]] = {}
+        if reads:
+            copy_readers: dict[str, list[int]] = {}
+            for k, key in enumerate(keys):
+                for arg, held in copies.sources[key].items():
+                    if held is None:
+                        copy_readers.setdefault(arg, []).append(count + k)
+            for i, read in enumerate(reads):
+                via = [index[r] for r in self.backward_users[read.value]
+                       if copies is None or read.value not in copies.reads.get(r, {})]
+                readers = via + copy_readers.get(read.value, [])
+                if not readers:
+                    continue
+                slices.setdefault(min(readers, key=place), []).append(first_slice + i)
+                value = index[read.value]
+                for reader in readers:
+                    redirect[(reader, value)] = first_slice + i
+        sequence: list[int] = []
+        for item in self.order_ids:
+            for made in before.get(item, ()):
+                sequence.extend(slices.get(made, ()))
+                sequence.append(made)
+            sequence.extend(slices.get(item, ()))
+            sequence.append(item)
+
+        # What a node of the graph reads through a copy: item -> {id of the value: copy item}.
+        through: dict[int, dict[int, int]] = {}
+        if copies is not None:
+            for reader, values in copies.reads.items():
+                through[index[reader]] = {index[value]: copy_of[(held, root(value))] for value, held in values.items()}
+
+        created: dict[int, int] = {}  # new storage id -> bytes
+        unset = object()
+        maps: list[Any] = [unset] * total  # item -> {storage of its node: storage it has}, or None: the same
+        read_cache: list[Any] = [None] * total
+        alias_cache: list[Any] = [None] * total  # an item is read by several later ones
+        arg_ids, alias_ids, storages, value_bytes = self.arg_ids, self.alias_ids, self.storages, self.value_bytes
+
+        def new_storage(nbytes: int) -> int:
+            sid = self.next_id + len(created)
+            created[sid] = nbytes
+            return sid
+
+        def originals_read(item: int) -> tuple[int, ...]:
+            """Ids of the nodes of the graph whose values ``item``'s node reads, in argument order."""
+            if item < count:
+                return arg_ids[item]
+            if item < first_slice:
+                return copy_args[item - count]
+            return (index[reads[item - first_slice].stack],)
+
+        def reads_of(item: int) -> list[int]:
+            found = read_cache[item]
+            if found is not None:
+                return found
+            if item >= first_slice:
+                found = [index[reads[item - first_slice].stack]]
+            else:
+                if item < count:
+                    via = through.get(item)
+                    args = arg_ids[item]
+                    found = list(args) if via is None else [via.get(arg, arg) for arg in args]
+                else:
+                    args = copy_args[item - count]
+                    found = copy_reads[item - count]
+                if redirect:
+                    found = [redirect.get((item, arg), ref) for arg, ref in zip(args, found)]
+            read_cache[item] = found
+            return found
+
+        def storage_map(item: int) -> dict[int, int] | None:
             """How the item's storages differ from its original node's (None: not at all).
 
             A node that creates a storage keeps it (a copy gets a new one of the same size); a view
             aliases whatever the input it views now aliases, exactly as the applied graph's refreshed
             fake values do.
             """
-            if item in maps:
-                return maps[item]
-            kind, what = item
-            if kind == "s":
-                read = reads[what]
-                target = new_storage(self.value_bytes[read.value]) if read.contiguous else self.aliases[read.stack][0]
-                result: dict[int, int] | None = {sid: target for sid in self.aliases.get(read.value, ())}
+            result = maps[item]
+            if result is not unset:
+                return result
+            if item >= first_slice:
+                read = reads[item - first_slice]
+                target = new_storage(value_bytes[read.value]) if read.contiguous else self.aliases[read.stack][0]
+                result = {sid: target for sid in self.aliases.get(read.value, ())}
                 maps[item] = result
                 return result
-            name = what if kind == "o" else what[1]
-            args = self.inputs.get(name, ()) if kind == "o" else tuple(copies.sources[what])
+            node = node_of[item]
+            creates = self.created_by[node]
+            args = originals_read(item)
             arg_items = reads_of(item)
             mapping: dict[int, int] = {}
             changed = False
-            for sid in self.aliases.get(name, ()):
+            for sid in alias_ids[node]:
                 target = sid
-                if self.storages[sid].creator == name:
-                    if kind == "c":
-                        target = new_storage(self.storages[sid].nbytes)
+                if sid in creates:
+                    if item >= count:
+                        target = new_storage(storages[sid].nbytes)
                 else:
                     for arg, arg_item in zip(args, arg_items):
-                        if sid in self.aliases.get(arg, ()):
+                        if sid in alias_ids[arg]:
                             arg_map = storage_map(arg_item)
                             if arg_map is not None:
                                 target = arg_map.get(sid, sid)
@@ -1638,71 +1681,65 @@ class VirtualSimulation:
             maps[item] = result
             return result
 
-        alias_cache: dict[tuple[str, Any], tuple[int, ...]] = {}  # an item is read by several later ones
-
-        def aliases_of(item: tuple[str, Any]) -> tuple[int, ...]:
-            found = alias_cache.get(item)
+        def aliases_of(item: int) -> tuple[int, ...]:
+            found = alias_cache[item]
             if found is not None:
                 return found
-            kind, what = item
-            if kind == "s":
-                found = tuple(dict.fromkeys(storage_map(item).values()))
+            mapping = storage_map(item)
+            if item >= first_slice:
+                found = tuple(dict.fromkeys(mapping.values()))
             else:
-                name = what if kind == "o" else what[1]
-                mapping = storage_map(item)
-                base = self.aliases.get(name, ())
+                base = alias_ids[node_of[item]]
                 found = base if mapping is None else tuple(dict.fromkeys(mapping[sid] for sid in base))
             alias_cache[item] = found
             return found
 
         # A node of the graph that reads no copy or slice, and no node whose storages moved, aliases and
         # reads what it did before the plan: its storages are known without following its arguments.
-        direct = set(copies.reads) if copies is not None else set()
-        direct.update(reader[1] for reader, _ in redirect if reader[0] == "o")
-        moved: set[str] = set()  # nodes of the graph whose storages differ from the original's
+        direct = set(through)
+        direct.update(reader for reader, _ in redirect if reader < count)
+        moved: set[int] = set()  # nodes of the graph whose storages differ from the original's
         last: dict[int, int] = {}
         born: dict[int, int] = {}
-        as_given = self.as_given
-        for index, item in enumerate(sequence):
-            kind, what = item
-            if kind == "o" and what not in direct:
-                args, creates, touches = as_given[what]
-                if moved.isdisjoint(args):
+        created_by, touches = self.created_by, self.touches
+        for at, item in enumerate(sequence):
+            if item < count:
+                if item not in direct and moved.isdisjoint(arg_ids[item]):
                     # its storages are its node's: known to later readers without a walk back
                     # through a chain of such nodes (an in-place chain runs the whole loop long)
                     maps[item] = None
-                    for sid in touches:
-                        last[sid] = index
-                    for sid in creates:
-                        born[sid] = index
+                    for sid in touches[item]:
+                        last[sid] = at
+                    for sid in created_by[item]:
+                        born[sid] = at
                     continue
-            if kind == "o" and storage_map(item) is not None:
-                moved.add(what)
+                if storage_map(item) is not None:
+                    moved.add(item)
             own = aliases_of(item)
             for sid in own:
-                last[sid] = index
+                last[sid] = at
                 if sid in created:
-                    born.setdefault(sid, index)
-                elif kind == "o" and self.storages[sid].creator == what:
-                    born[sid] = index
+                    born.setdefault(sid, at)
+                elif item < count and storages[sid].creator == names[item]:
+                    born[sid] = at
             for arg in reads_of(item):
                 for sid in aliases_of(arg):
-                    last[sid] = index
-        forever = {sid for name in self.outputs for sid in aliases_of(("o", name))}
+                    last[sid] = at
+        forever = {sid for name in self.outputs for sid in aliases_of(index[name])}
         allocate: dict[int, int] = {}
         free: dict[int, int] = {}
-        for sid, index in born.items():
-            nbytes = created[sid] if sid in created else self.storages[sid].nbytes
-            if sid not in created and self.storages[sid].external:
+        for sid, at in born.items():
+            nbytes = created[sid] if sid in created else storages[sid].nbytes
+            if sid not in created and storages[sid].external:
                 continue
-            allocate[index] = allocate.get(index, 0) + nbytes
+            allocate[at] = allocate.get(at, 0) + nbytes
             if sid not in forever:
                 free[last[sid]] = free.get(last[sid], 0) + nbytes
         live, timeline = 0, []
-        for index in range(len(sequence)):
-            live += allocate.get(index, 0)
+        for at in range(len(sequence)):
+            live += allocate.get(at, 0)
             timeline.append(live)
-            live -= free.get(index, 0)
+            live -= free.get(at, 0)
         return timeline
 
 
