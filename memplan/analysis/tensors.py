@@ -114,7 +114,13 @@ class Tensors(Analysis):
 
     def storages_of(self, name: str) -> tuple[int, ...]:
         """Storage ids a node's value aliases (several for a multi-output node)."""
-        return tuple(info.storage for info in self.tensors.get(name, ()))
+        # Asked hundreds of thousands of times per plan: the common single tensor without a generator.
+        infos = self.tensors.get(name)
+        if not infos:
+            return ()
+        if len(infos) == 1:
+            return (infos[0].storage,)
+        return tuple([info.storage for info in infos])
 
     def info(self, name: str) -> TensorInfo | None:
         """The first (usually only) tensor of a node."""
