@@ -54,6 +54,8 @@ and holds the value, else its parent's, else the original (saved) value. Copies 
 group recomputes just what its consumers need), each immediately before its earliest consumer, inputs
 first; an in-place unit is replayed whole on a fresh storage, its views re-derived with ``as_strided``
 after each write. Fake values of copies are built from the originals' metadata (:func:`~memplan.graphutil.rebuilt_value`).
+A plan keeps the placement its candidate was simulated with, and applies it as is to the graph it was
+planned on (same node names in the same order); on another graph it is placed again.
 
 Preconditions
 -------------
@@ -257,7 +259,7 @@ class RematFacts:
     @classmethod
     def compute(cls, graph: CapturedGraph, am: AnalysisManager,
                 ban_ops: Iterable[str] = DEFAULT_BAN_OPS) -> "RematFacts":
-        tensors = am.get(Tensors)
+        tensors = _StorageIndex(am.get(Tensors))
         ban = frozenset(ban_ops)
         nodes = list(graph.gm.graph.nodes)
         position = {n.name: i for i, n in enumerate(nodes)}
@@ -345,6 +347,20 @@ class RematFacts:
                     seen.add(sid)
                     total += self.storage_bytes[sid]
         return total
+
+
+class _StorageIndex:
+    """A :class:`~memplan.analysis.tensors.Tensors` whose ``storages_of`` is a lookup: the facts ask for a
+    node's storages once per reader, and a node with many outputs (``unbind`` of a 1000-step input, read
+    by 1000 ``getitem`` nodes) would rebuild its tuple for each."""
+
+    def __init__(self, tensors: Tensors):
+        self.tensors = tensors.tensors
+        self.storages = tensors.storages
+        self._of = {name: tuple(info.storage for info in infos) for name, infos in tensors.tensors.items()}
+
+    def storages_of(self, name: str) -> tuple[int, ...]:
+        return self._of.get(name, ())
 
 
 def _last_writes(graph: CapturedGraph, tensors: Tensors) -> dict[int, int]:
@@ -474,10 +490,10 @@ def node_flops(node: torch.fx.Node, tensors: Tensors | None = None) -> int:
     if node.op != "call_function" or node.target is operator.getitem:
         return 0
     name = packet_name(node)
+    if name in _MOVE_OPS or (tensors is not None and _is_view(node, tensors)):
+        return 0
     args = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
     out = node.meta.get("val")
-    if tensors is not None and _is_view(node, tensors):
-        return 0
     if name in ("mm", "matmul") and _shapes(args, 2):
         (m, k), (_, n) = args[0].shape[-2:], args[1].shape[-2:]
         return 2 * int(m) * int(k) * int(n) * max(1, _numel(out) // max(1, int(m) * int(n)))
@@ -502,8 +518,6 @@ def node_flops(node: torch.fx.Node, tensors: Tensors | None = None) -> int:
         q, k = args[0], args[1]
         if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor):
             return 4 * _numel(q) * int(k.shape[-2])
-    if name in _MOVE_OPS:
-        return 0
     read = sum(_numel(a) for a in args if isinstance(a, torch.Tensor))
     written = sum(_numel(v) for _, v in tensor_values(node))
     return max(read, written)
@@ -549,7 +563,7 @@ def plan_stack_reads(graph: CapturedGraph, am: AnalysisManager) -> tuple[StackRe
     """Find backward reads of tensors that a kept ``stack``/``cat`` also holds (see the module docstring)."""
     if not graph.training:
         return ()
-    tensors = am.get(Tensors)
+    tensors = _StorageIndex(am.get(Tensors))
     last_write = _last_writes(graph, tensors)
     kept = _output_storages(graph, tensors)
     reads: list[StackRead] = []
@@ -1014,6 +1028,10 @@ class RematPlan:
     units: tuple[tuple[str, ...], ...] = ()  # in-place units among the groups' nodes (recomputed whole)
     recomputed: tuple[str, ...] = ()
     saved: tuple[str, ...] = ()
+    # The placement the planner simulated, and the node names (graph order) of the graph it was planned
+    # on: :func:`apply_remat` applies it as is to a graph with those names instead of placing again.
+    copies: CopyPlan | None = dataclasses.field(default=None, compare=False, repr=False)
+    planned_on: tuple[str, ...] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __str__(self) -> str:
         lines = [f"remat plan {self.label!r}: {len(self.stack_reads)} stack reads, "
@@ -1032,8 +1050,10 @@ def apply_remat(graph: CapturedGraph, plan: RematPlan) -> CapturedGraph:
     """Apply ``plan`` to ``graph`` (editing its fx graph in place) and return the updated graph."""
     editor = GraphEditor(graph)
     if plan.groups:
-        units = {m: unit for unit in plan.units for m in unit}
-        copies = plan_copies(plan.groups, inputs=forward_inputs(graph), backward=backward_reads(graph), units=units)
+        copies = plan.copies
+        if copies is None or plan.planned_on != tuple(n.name for n in graph.gm.graph.nodes):
+            units = {m: unit for unit in plan.units for m in unit}
+            copies = plan_copies(plan.groups, inputs=forward_inputs(graph), backward=backward_reads(graph), units=units)
         apply_recompute(editor, copies)
     if plan.stack_reads:
         apply_stack_reads(editor, plan.stack_reads)
@@ -1796,7 +1816,8 @@ def plan_remat(
         saved = sorted(copies.originals_read() | direct,
                        key=lambda n: facts.nodes[n].position if n in facts.nodes else -1)
         plan = RematPlan(label, stack_reads=reads, groups=groups, units=tuple(dict.fromkeys(copies.units.values())),
-                         recomputed=copies.recomputed, saved=tuple(saved))
+                         recomputed=copies.recomputed, saved=tuple(saved), copies=copies,
+                         planned_on=simulation.names)
         # Step 5: simulate it.
         peak = simulation.step_peak(reads, copies)
         candidates.append(Candidate(plan, peak, extra / max(1, facts.total_flops), label))

@@ -546,7 +546,7 @@ def plan_timesteps(
         extra = sum(facts.nodes[name].flops for _, name in copies.copies)
         label = str(schedule)
         plan = RematPlan(label, stack_reads=reads, groups=groups, units=tuple(dict.fromkeys(copies.units.values())),
-                         recomputed=copies.recomputed)
+                         recomputed=copies.recomputed, copies=copies, planned_on=simulation.names)
         overhead = extra / max(1, facts.total_flops)
         candidates.append(Candidate(plan, simulation.step_peak(reads, copies), overhead, label))
 
