@@ -456,8 +456,11 @@ def _describe_steps(graph: CapturedGraph, loop: Loop, facts: RematFacts,
     return _Steps(loop, tuple(nodes), tuple(serves), float(loop.state_bytes), activation / count, flops / count)
 
 
-def _schedules(loops: Sequence[_Steps], options: TimestepOptions) -> list[Schedule]:
-    """Segment lengths x slot counts, costed by the model; up to ``max_candidates`` from its Pareto front."""
+def _schedules(loops: Sequence[_Steps], options: TimestepOptions, cost: np.ndarray) -> list[Schedule]:
+    """Segment lengths x slot counts, costed by the model; up to ``max_candidates`` from its Pareto front.
+
+    ``cost`` is :func:`checkpoint_costs` up to the longest loop and the most slots (the caller needs its
+    splits too)."""
     longest = max(s.loop.iterations for s in loops)
     lengths = {1, longest}
     length = 2
@@ -467,7 +470,6 @@ def _schedules(loops: Sequence[_Steps], options: TimestepOptions) -> list[Schedu
     for s in loops:
         if s.state > 0:
             lengths.add(max(1, min(s.loop.iterations, round(math.sqrt(s.loop.iterations * s.activation / s.state)))))
-    cost, _ = checkpoint_costs(longest, max(options.slots))
     scored = []
     for length in sorted(lengths):
         for slots in sorted(set(options.slots)):
@@ -539,8 +541,8 @@ def plan_timesteps(
     backward = backward_reads(graph)
     inputs = forward_inputs(graph)
     longest = max(s.loop.iterations for s in loops)
-    _, split = checkpoint_costs(longest, max(options.slots))
-    for schedule in _schedules(loops, options):
+    cost, split = checkpoint_costs(longest, max(options.slots))
+    for schedule in _schedules(loops, options, cost):
         groups = _groups(loops, schedule, split)
         copies = plan_copies(groups, inputs=inputs, backward=backward, units=facts.units)
         extra = sum(facts.nodes[name].flops for _, name in copies.copies)
