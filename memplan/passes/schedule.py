@@ -580,7 +580,8 @@ def schedule(graph: CapturedGraph, ctx: PassContext) -> PassResult:
     if plan.strategy == "original":
         return PassResult(graph, changed=False, notes=("the input order already has the lowest peak found",), plan=plan)
     new = apply_schedule(graph, plan)
-    peak_after = AnalysisManager(new).get(PeakSimulation).peak
+    analyses = AnalysisManager(new)  # handed to the pipeline, which would compute them again
+    peak_after = analyses.get(PeakSimulation).peak
     moved = sum(1 for a, b in zip(ctx.am.get(Liveness).order, plan.order) if a != b)
     stats = PassStats(nodes_rewritten=moved, bytes_saved=plan.peak_before - peak_after)
-    return PassResult(new, changed=True, stats=stats, notes=(str(plan),), plan=plan)
+    return PassResult(new, changed=True, stats=stats, notes=(str(plan),), plan=plan, analyses=analyses)
