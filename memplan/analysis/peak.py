@@ -23,7 +23,7 @@ from memplan.analysis.manager import Analysis, AnalysisManager
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph
 
-__all__ = ["SimEvent", "PeakSimulation", "step_margin"]
+__all__ = ["SimEvent", "PeakSimulation", "live_steps", "step_margin"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +36,21 @@ class SimEvent:
     allocated: int
     freed: int
     live: int
+
+
+def live_steps(tensors: Tensors, liveness: Liveness) -> tuple[dict[int, int], dict[int, int]]:
+    """Bytes allocated at and freed after each position of the walk, ``(born, dies)``: every storage that
+    is not external is born at its interval's start and dies after its end (unless it lives to the end)."""
+    born: dict[int, int] = {}
+    dies: dict[int, int] = {}
+    for sid, storage in tensors.storages.items():
+        if storage.external:
+            continue
+        interval = liveness.intervals[sid]
+        born[interval.start] = born.get(interval.start, 0) + storage.nbytes
+        if interval.end < liveness.end:
+            dies[interval.end] = dies.get(interval.end, 0) + storage.nbytes
+    return born, dies
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,15 +68,7 @@ class PeakSimulation(Analysis):
     def compute(cls, graph: CapturedGraph, am: AnalysisManager) -> "PeakSimulation":
         tensors = am.get(Tensors)
         liveness = am.get(Liveness)
-        born: dict[int, int] = {}  # position -> bytes allocated there
-        dies: dict[int, int] = {}  # position -> bytes freed after it
-        for sid, storage in tensors.storages.items():
-            if storage.external:
-                continue
-            interval = liveness.intervals[sid]
-            born[interval.start] = born.get(interval.start, 0) + storage.nbytes
-            if interval.end < liveness.end:
-                dies[interval.end] = dies.get(interval.end, 0) + storage.nbytes
+        born, dies = live_steps(tensors, liveness)
         by_name = {n.name: n for n in graph.gm.graph.nodes}
         op_names: dict[int, str] = {}  # id of a target -> its name (an operator's str() costs microseconds)
         live_bytes = 0

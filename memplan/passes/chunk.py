@@ -106,7 +106,7 @@ import torch.fx
 
 from memplan.analysis.liveness import Liveness
 from memplan.analysis.manager import AnalysisManager
-from memplan.analysis.peak import PeakSimulation
+from memplan.analysis.peak import PeakSimulation, live_steps
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph, Phase
 from memplan.errors import InfeasibleBudgetError
@@ -1268,21 +1268,6 @@ def _potential(graph: CapturedGraph, region: ChunkRegion, tensors: Tensors) -> i
     return freed - held
 
 
-def _live_steps(tensors: Tensors, liveness: Liveness) -> tuple[dict[int, int], dict[int, int]]:
-    """Bytes born at and freed after each step of :class:`~memplan.analysis.peak.PeakSimulation`'s
-    walk, per step (external storages are never counted)."""
-    born: dict[int, int] = {}
-    dies: dict[int, int] = {}
-    for sid, storage in tensors.storages.items():
-        if storage.external:
-            continue
-        interval = liveness.intervals[sid]
-        born[interval.start] = born.get(interval.start, 0) + storage.nbytes
-        if interval.end < liveness.end:
-            dies[interval.end] = dies.get(interval.end, 0) + storage.nbytes
-    return born, dies
-
-
 def _peak_bound(graph: CapturedGraph, region: ChunkRegion, tensors: Tensors, liveness: Liveness,
                 steps: tuple[dict[int, int], dict[int, int]] | None = None) -> int:
     """A lower bound on the peak of ``graph`` with ``region`` chunked, from the graph's own analyses
@@ -1298,7 +1283,7 @@ def _peak_bound(graph: CapturedGraph, region: ChunkRegion, tensors: Tensors, liv
     a recurrence along its batch makes the backward loop read every step's input, which the untouched
     backward had dropped step by step; the bound is above the untouched peak.
 
-    ``steps`` is :func:`_live_steps` of the graph when the caller has it: under graph lifetimes a
+    ``steps`` is :func:`~memplan.analysis.peak.live_steps` of the graph when the caller has it: under graph lifetimes a
     storage that no node of the region touches keeps its interval, so only the others are walked.
     """
     position = liveness.position
@@ -1639,7 +1624,7 @@ def _plan(
         over_budget = policy.budget is not None and base_peak > policy.budget
         worth = base_peak if over_budget else (1.0 - opts.min_gain) * base_peak
         tensors, liveness = am.get(Tensors), am.get(Liveness)
-        steps = _live_steps(tensors, liveness)
+        steps = live_steps(tensors, liveness)
         # Steps 1-4 find the regions; step 5 prices the candidates of those that can pay (a peak
         # below the policy's threshold, an overhead not hopeless), building each variant once.
         for region in _regions(current, opts, tensors):

@@ -13,7 +13,7 @@ from torch import nn
 import memplan
 import memplan.examples as examples
 from memplan.analysis.manager import AnalysisManager
-from memplan.analysis.peak import PeakSimulation
+from memplan.analysis.peak import PeakSimulation, live_steps
 from memplan.capture import capture
 from memplan.graphutil import is_random, packet_name
 from memplan.measure import measure
@@ -381,7 +381,7 @@ def test_pruning_bounds_never_exceed_what_is_built(name, model, inputs):
     options = chunk_pass.ChunkOptions()
     base_cost = graph_cost(graph, options.rates)
     tensors, liveness = am.get(Tensors), am.get(Liveness)
-    steps = chunk_pass._live_steps(tensors, liveness)
+    steps = live_steps(tensors, liveness)
     for region in regions:
         peak_bound = chunk_pass._peak_bound(graph, region, tensors, liveness)
         # walking only the storages the region touches gives the same bound
