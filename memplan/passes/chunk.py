@@ -1283,8 +1283,9 @@ def _peak_bound(graph: CapturedGraph, region: ChunkRegion, tensors: Tensors, liv
     a recurrence along its batch makes the backward loop read every step's input, which the untouched
     backward had dropped step by step; the bound is above the untouched peak.
 
-    ``steps`` is :func:`~memplan.analysis.peak.live_steps` of the graph when the caller has it: under graph lifetimes a
-    storage that no node of the region touches keeps its interval, so only the others are walked.
+    ``steps`` is :func:`~memplan.analysis.peak.live_steps` of the graph when the caller has it: under
+    graph lifetimes a storage that no node of the region touches keeps its interval, so only the others
+    are walked.
     """
     position = liveness.position
     forward = [n for n, _ in region.forward]
