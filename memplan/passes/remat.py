@@ -296,6 +296,13 @@ class RematFacts:
                 why_not = _why_not_recomputable(node, position[node.name], tensors, written)
             else:
                 why_not = "graph input"
+            if why_not is None:
+                # a forward node these facts do not describe (a chunk loop's call_module) can be neither
+                # saved nor recomputed by this pass: a copy reading it would make the backward read it
+                # as it is (a loop's tuple of outputs, which cannot be saved)
+                unknown = next((a.name for a in node.all_input_nodes if a.name not in facts), None)
+                if unknown is not None:
+                    why_not = f"reads {unknown}, which remat neither saves nor recomputes"
             counted = _saved_storages(node, tensors, kept)
             parent = node.args[0] if node.target is operator.getitem else None
             if why_not is None and isinstance(parent, torch.fx.Node) and parent.name in facts \

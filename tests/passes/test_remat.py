@@ -183,6 +183,27 @@ def test_the_plan_of_a_loop_does_not_change_with_its_length():
     assert len(b.plan.recomputed) * short == len(a.plan.recomputed) * long
 
 
+def test_nodes_reading_a_chunk_loop_are_never_recomputed_through_it():
+    """A chunk loop is a call_module whose value is a tuple: remat neither saves nor recomputes it, so
+    the getitems of its outputs are saved, not copied into the backward (a copy there would make the
+    backward read the tuple, which autograd cannot save). Chunk sizes from faster rates put the loop
+    where remat's cheap cuts reach it."""
+    from memplan.examples import chain_product
+    from memplan.passes._chunk.cost import CostRates
+
+    built = chain_product.make("small")
+    rates = CostRates(flops=60e9, bandwidth=20e9, cache_bandwidth=30e9, index_element=1e-9)
+    opt = optimize(built.model, passes="rewrite,chunk,remat", options={"chunk.rates": rates})
+    assert_equivalent(built.model, opt, *built.inputs)
+    graph = opt.plan.graph
+    loops = [n for n in graph.gm.graph.nodes if n.op == "call_module"]
+    assert loops
+    for loop in loops:
+        for user in loop.users:
+            assert graph.phases[user.name] is graph.phases[loop.name]
+    assert all(isinstance(graph.node(name).meta["val"], torch.Tensor) for name in opt.plan.emitted.saved)
+
+
 def test_seq2seq_recomputes_lstm_gates_written_in_place():
     model, inputs = small_seq2seq()
     graph = graph_of(model, inputs)
