@@ -17,6 +17,7 @@ from memplan.analysis.peak import PeakSimulation, live_steps
 from memplan.capture import capture
 from memplan.graphutil import is_random, packet_name
 from memplan.measure import measure
+from memplan.passes._chunk.cost import CostRates
 from memplan.passes.chunk import (
     REP,
     ChunkLoop,
@@ -179,6 +180,21 @@ def test_hand_models_in_inference(name, model, inputs):
 def test_examples_are_equivalent_at_default_policy(name):
     w = examples.make(name)
     opt = memplan.optimize(w.model, passes="chunk")
+    assert_equivalent(w.model, opt, *w.inputs, **TOL)
+    assert opt.plan.planned_peak < opt.plan.eager_peak
+
+
+@pytest.mark.parametrize("scale", [0.25, 2.0, 4.0])
+@pytest.mark.parametrize("name", ["chain_product", "maxsim", "seq2seq"])
+def test_examples_are_equivalent_through_the_pipeline_under_other_cost_rates(name, scale):
+    """Other machines' rates pick other regions and chunk sizes, and the passes after chunk meet other
+    loops: every such plan still gives the model's outputs and gradients."""
+    base = CostRates()
+    rates = dataclasses.replace(base, flops=base.flops * scale, bandwidth=base.bandwidth * scale,
+                                cache_bandwidth=base.cache_bandwidth * scale,
+                                index_element=base.index_element / scale)
+    w = examples.make(name)
+    opt = memplan.optimize(w.model, options={"chunk.rates": rates})
     assert_equivalent(w.model, opt, *w.inputs, **TOL)
     assert opt.plan.planned_peak < opt.plan.eager_peak
 
