@@ -390,15 +390,15 @@ class PassManager:
         built lazily, one pipeline run or two each, from copies of ``graph``. ``known``: as for :meth:`run`.
         """
         result = self._run(copy_graph(graph), dataclasses.replace(self.policy, budget=None, max_overhead=0.0), known)
-        lowest = _step_peak(result.graph)
+        lowest = _step_peak(result)
         yield result, lowest
         while True:
             target = int(lowest * LADDER_STEP)
             result = self._run(copy_graph(graph), dataclasses.replace(self.policy, budget=target, when_over="overhead"), known)
-            peak = _step_peak(result.graph)
+            peak = _step_peak(result)
             if peak > target:
                 result = self._run(copy_graph(graph), dataclasses.replace(self.policy, budget=target, when_over="lowest"), known)
-                peak = _step_peak(result.graph)
+                peak = _step_peak(result)
             if peak >= lowest:
                 return
             lowest = peak
@@ -459,9 +459,12 @@ class PassManager:
         return PassError(message)
 
 
-def _step_peak(graph: CapturedGraph) -> int:
-    """The predicted peak of a step running ``graph``, as budgets count it (with the step's loss scalars)."""
-    return AnalysisManager(graph).get(PeakSimulation).peak + (step_margin(graph) if graph.training else 0)
+def _step_peak(result: PipelineResult) -> int:
+    """The predicted peak of a step running ``result``'s graph, as budgets count it (with the step's loss
+    scalars), from the analyses the run already made of that graph."""
+    graph = result.graph
+    am = result.analyses if result.analyses is not None and result.analyses.graph is graph else AnalysisManager(graph)
+    return am.get(PeakSimulation).peak + (step_margin(graph) if graph.training else 0)
 
 
 # ----------------------------------------------------------------------------------------------
