@@ -6,7 +6,7 @@ import operator
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -268,6 +268,19 @@ def test_golden_states_of_rules():
     assert map_view((16, 64, 32), (1024, 32), Split(0)) == Split(0, 64)
 
 
+def test_a_partial_sum_times_itself_is_not_partial():
+    """``p * p`` and ``p / p`` read one partial node twice: not linear, whatever the node count says."""
+    graph = torch.fx.Graph()
+    p, q = graph.placeholder("p"), graph.placeholder("q")
+    states = {p: Partial("sum"), q: REP}
+    for target in (torch.ops.aten.mul.Tensor, torch.ops.aten.div.Tensor):
+        twice, once = graph.call_function(target, (p, p)), graph.call_function(target, (p, q))
+        for node in (p, q, twice, once):
+            node.meta["val"] = torch.empty(8, 6, device="meta")
+        assert not isinstance(chunk_rule(twice, states.get), Partial), target
+        assert chunk_rule(once, states.get) == Partial("sum"), target
+
+
 # ----------------------------------------------------------------------------------------------
 # (c) counts and peaks
 
@@ -327,6 +340,7 @@ def test_generator_is_chunked_over_time_despite_shared_sequence_numbers():
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000))
+@example(seed=8302)  # squares a partial sum: mul(p, p)
 def test_random_programs_are_untouched_or_equivalent(seed):
     model, inputs = random_model(seed, requires_grad_input=True)
     opt = memplan.optimize(model, passes="chunk", **FORCE)

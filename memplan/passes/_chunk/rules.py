@@ -222,11 +222,13 @@ def _linear_partial(node: torch.fx.Node, st, splits, partials) -> RuleResult:
     kind = next(iter(kinds))
     name = packet_name(node)
     tensors = tensor_args(node)
+    # by argument position, not by node: ``mul(p, p)`` reads one partial node twice and is not linear
+    positions = [i for i, a in enumerate(node.args) if isinstance(a, torch.fx.Node) and isinstance(st(a), Partial)]
     if name in ("add", "sub") and all(isinstance(st(a), Partial) for a in tensors):
         return Partial(kind)
-    if name in ("mul", "neg") and len(partials) == 1:
+    if name in ("mul", "neg") and len(positions) == 1:
         return Partial(kind)
-    if name == "div" and len(partials) == 1 and partials[0][0] is node.args[0]:
+    if name == "div" and positions == [0]:
         return Partial(kind)
     return Barrier(f"{name} is not linear in a partial result")
 
