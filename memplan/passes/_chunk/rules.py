@@ -20,7 +20,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from memplan.graphutil import is_random, packet_name
+from memplan.graphutil import packet_name
 
 __all__ = [
     "Split",
