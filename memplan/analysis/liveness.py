@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import NamedTuple
 
 from memplan.analysis.manager import Analysis, AnalysisManager
 from memplan.analysis.tensors import Tensors
@@ -20,9 +21,11 @@ from memplan.capture import CapturedGraph
 __all__ = ["Interval", "Liveness"]
 
 
-@dataclasses.dataclass(frozen=True)
-class Interval:
-    """A storage is live on ``[start, end]`` (positions in ``Liveness.order``; end == len(order): to the end)."""
+class Interval(NamedTuple):
+    """A storage is live on ``[start, end]`` (positions in ``Liveness.order``; end == len(order): to the end).
+
+    A named tuple: one per storage, made at every change of the graph (cheaper to build than a dataclass).
+    """
 
     start: int
     end: int

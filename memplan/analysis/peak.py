@@ -15,6 +15,7 @@ simulated peak of an eagerly-run graph should agree with :func:`memplan.measure`
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
@@ -26,9 +27,11 @@ from memplan.capture import CapturedGraph
 __all__ = ["SimEvent", "PeakSimulation", "live_steps", "step_margin"]
 
 
-@dataclasses.dataclass(frozen=True)
-class SimEvent:
-    """One node of the simulated run: bytes it allocated, bytes freed after it, bytes live with its outputs."""
+class SimEvent(NamedTuple):
+    """One node of the simulated run: bytes it allocated, bytes freed after it, bytes live with its outputs.
+
+    A named tuple: one per node, made at every change of the graph (cheaper to build than a dataclass).
+    """
 
     index: int
     node: str

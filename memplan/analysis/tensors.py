@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx
@@ -20,9 +20,12 @@ from memplan.capture import CapturedGraph
 __all__ = ["TensorInfo", "StorageInfo", "Tensors", "tensor_values"]
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorInfo:
-    """One tensor a node produces (``index`` is its position when the node returns several)."""
+class TensorInfo(NamedTuple):
+    """One tensor a node produces (``index`` is its position when the node returns several).
+
+    A named tuple, not a dataclass: an unrolled loop has hundreds of thousands, made at every change of
+    the graph, and a frozen dataclass costs three times as much to build.
+    """
 
     node: str
     index: int | None
