@@ -1364,8 +1364,11 @@ def _peak_bound(graph: CapturedGraph, region: ChunkRegion, tensors: Tensors, liv
             start = max(b_at, first) if member in in_body else first
             size = sum(info.nbytes for info in tensors.tensors[member] if info.storage == sid)
             hold(start, interval.end, size, readers)
+    # The walk of the timeline, at the positions where something is born or dies only: the others
+    # change neither the live bytes nor the peak (a 1000-step loop has 200k positions, a few thousand
+    # of them with births or deaths here).
     live = peak = 0
-    for index in range(liveness.end):
+    for index in sorted(k for k in born.keys() | dies.keys() if 0 <= k < liveness.end):
         live += born.get(index, 0)
         peak = max(peak, live)
         live -= dies.get(index, 0)
