@@ -41,6 +41,7 @@ import dataclasses
 import enum
 import functools
 import gc
+import heapq
 import os
 import linecache
 import sys
@@ -638,15 +639,29 @@ def _restrided_values(tracer: Tracer, broadcast: list[torch.fx.Node]) -> dict[to
         for node in broadcast:
             value = node.meta["val"]
             changed[node] = torch.zeros((), dtype=value.dtype, device=value.device).expand(value.shape)
-    for node in tracer.graph.nodes:
-        if node.op != "call_function" or not any(arg in changed for arg in node.all_input_nodes):
-            continue
+    # The ops reading a changed value, in graph order: the readers of each changed value are queued by
+    # their position, so only they are visited, not the whole graph (once per scenario).
+    position = {node: i for i, node in enumerate(tracer.graph.nodes)}
+    queue: list[tuple[int, torch.fx.Node]] = []
+    queued: set[torch.fx.Node] = set()
+
+    def queue_readers(value: torch.fx.Node) -> None:
+        for user in value.users:
+            if user.op == "call_function" and user not in queued:
+                queued.add(user)
+                heapq.heappush(queue, (position[user], user))
+
+    for node in broadcast:
+        queue_readers(node)
+    while queue:
+        _, node = heapq.heappop(queue)
         if any(arg not in changed for arg in mutated_args(node)):
             continue
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda arg: changed.get(arg, arg.meta.get("val")))
         value = tracer.evaluate(node.target, args, kwargs)
         if _layout(value) != _layout(node.meta.get("val")):
             changed[node] = value
+            queue_readers(node)
     return changed
 
 

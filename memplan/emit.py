@@ -13,11 +13,19 @@ Stages
 
 The modules are ordinary fx GraphModules executed eagerly: profilers and allocator statistics see
 their real allocations. Inference plans have only the forward module.
+
+Stages (2) and (3) describe each module as a :class:`_Program`, a selection of the joint graph's nodes.
+The code that runs is generated from the programs directly (:func:`_boxed_source`), character for
+character the code fx would generate for the modules, so the modules themselves (copies of the
+selected nodes) are built only when read (``Emitted.forward``, ``Emitted.code``): on a 1000-step loop,
+copying the nodes and fx's code generation took most of emit's time.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,6 +35,13 @@ import torch.fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.graph import _BoxedCodeGen
 
+try:  # fx's private naming and formatting helpers, which the direct code generation repeats
+    from torch.fx.graph import _custom_builtins, _format_target, _is_from_torch, _Namespace, magic_methods
+except ImportError:  # pragma: no cover - another torch: emit writes fx's own code (slower, the same code)
+    _custom_builtins = None
+from torch.fx.immutable_collections import immutable_list
+from torch.fx.node import _get_qualified_name
+
 from memplan.capture import CapturedGraph, Phase
 
 __all__ = ["Emitted", "emit", "PlanFunction"]
@@ -34,22 +49,36 @@ __all__ = ["Emitted", "emit", "PlanFunction"]
 
 @dataclasses.dataclass(frozen=True)
 class Emitted:
-    """The runnable form of a plan."""
+    """The runnable form of a plan.
 
-    forward: torch.fx.GraphModule
-    backward: torch.fx.GraphModule | None
+    ``forward`` and ``backward`` (None for inference) are the modules as fx GraphModules, built from the
+    planned graph on first access (the plan keeps that graph, and nothing edits it after planning);
+    ``run_forward`` and ``run_backward`` run their code.
+    """
+
     n_outputs: int  # flat model outputs the forward returns before the saved values
     saved: tuple[str, ...]  # joint-graph names of the saved values, in order
     differentiable: tuple[int, ...]  # flat output positions that receive a tangent
     grad_inputs: tuple[int, ...]  # flat input positions the backward's gradients belong to
     constant_outputs: tuple[tuple[int, Any], ...]  # outputs that are Python constants
-    run_forward: Callable[[list[Any]], Any] = dataclasses.field(default=None, repr=False, compare=False)
-    run_backward: Callable[[list[Any]], Any] | None = dataclasses.field(default=None, repr=False, compare=False)
+    run_forward: Callable[[list[Any]], Any] = dataclasses.field(repr=False, compare=False)
+    run_backward: Callable[[list[Any]], Any] | None = dataclasses.field(repr=False, compare=False)
+    # () -> (forward, backward): builds the GraphModules (see the module docstring).
+    build_modules: Callable[[], tuple[torch.fx.GraphModule, torch.fx.GraphModule | None]] = dataclasses.field(
+        repr=False, compare=False
+    )
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "run_forward", fast_callable(self.forward))
-        if self.backward is not None:
-            object.__setattr__(self, "run_backward", fast_callable(self.backward))
+    @functools.cached_property
+    def _modules(self) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule | None]:
+        return self.build_modules()
+
+    @property
+    def forward(self) -> torch.fx.GraphModule:
+        return self._modules[0]
+
+    @property
+    def backward(self) -> torch.fx.GraphModule | None:
+        return self._modules[1]
 
     @property
     def code(self) -> str:
@@ -60,10 +89,49 @@ class Emitted:
 
 
 def _boxed(root: torch.nn.Module, graph: torch.fx.Graph, name: str) -> torch.fx.GraphModule:
-    """A boxed GraphModule of ``graph``, lazy: it runs through :func:`fast_callable`, which generates the
-    code itself, so the module's own code is generated only when read (``Emitted.code``) or called."""
+    """A boxed GraphModule of ``graph``, lazy: its own code is generated only when read or called."""
     graph.set_codegen(_BoxedCodeGen())
     return _LazyGraphModule(root, graph, class_name=name)
+
+
+@dataclasses.dataclass
+class _Program:
+    """One emitted module as a selection of the joint graph's nodes, in graph order, without copies.
+
+    ``items`` holds ``(node, saved)`` pairs: the node is copied as it is, or, when ``saved``, it is a
+    value saved for backward and becomes a placeholder named after it. ``alias`` maps each skipped
+    ``detach`` (see :func:`_is_detach`) to the node it stands for; ``outputs`` are joint nodes or constants.
+    """
+
+    items: list[tuple[torch.fx.Node, bool]] = dataclasses.field(default_factory=list)
+    alias: dict[torch.fx.Node, torch.fx.Node] = dataclasses.field(default_factory=dict)
+    outputs: list[Any] = dataclasses.field(default_factory=list)
+
+    def resolve(self, node: torch.fx.Node) -> torch.fx.Node:
+        return self.alias.get(node, node)
+
+    def skip_detach(self, node: torch.fx.Node) -> None:
+        self.alias[node] = self.resolve(node.args[0])
+
+    def graph_module(self, root: torch.fx.GraphModule, name: str) -> torch.fx.GraphModule:
+        """The program as a boxed GraphModule (copies of its nodes)."""
+        graph = torch.fx.Graph()
+        env: dict[torch.fx.Node, torch.fx.Node] = {}
+        for node, saved in self.items:
+            if saved:
+                env[node] = graph.placeholder(node.name)
+                env[node].meta = dict(node.meta)
+            else:
+                env[node] = graph.node_copy(node, lambda n: env[self.resolve(n)])
+            if env[node].op == "placeholder":
+                # The module is called with one list (boxed), so a placeholder's target names nothing the
+                # caller sees. fx's code reads every placeholder into its target and then renames it to
+                # its node's name, one after another: with a target ``Mul`` named ``mul`` and a target
+                # ``mul`` named ``mul_1``, ``mul = Mul`` overwrites ``mul`` before ``mul_1 = mul`` reads
+                # it. Reading each straight into its name has nothing to rename.
+                env[node].target = env[node].name
+        graph.output([env[self.resolve(v)] if isinstance(v, torch.fx.Node) else v for v in self.outputs])
+        return _boxed(root, graph, name)
 
 
 def emit(graph: CapturedGraph) -> Emitted:
@@ -84,68 +152,83 @@ def emit(graph: CapturedGraph) -> Emitted:
             return True
         return graph.phases.get(node.name) is Phase.FORWARD
 
+    forward = {node for node in nodes if is_forward(node)}
+
     # Step 1: the saved set, in graph order.
     saved: list[torch.fx.Node] = []
     if graph.training:
         for node in nodes:
-            if not is_forward(node) or node.op == "get_attr":
+            if node not in forward or node.op == "get_attr":
                 continue
-            if any(u.op != "output" and not is_forward(u) for u in node.users):
+            if any(u.op != "output" and u not in forward for u in node.users):
                 saved.append(node)
 
-    # Step 2: the forward module (detaches are not copied: see _is_detach).
-    fwd = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    # Step 2: the forward program (detaches are not copied: see _is_detach).
+    fwd = _Program()
     for node in nodes:
-        if node.op == "output" or not is_forward(node):
+        if node.op == "output" or node not in forward:
             continue
-        env[node] = env[node.args[0]] if _is_detach(node) else fwd.node_copy(node, lambda n: env[n])
+        if _is_detach(node):
+            fwd.skip_detach(node)
+        else:
+            fwd.items.append((node, False))
     constant_outputs = []
-    fwd_outputs: list[Any] = []
     for i, value in enumerate(flat_output_args[: len(model_outputs)]):
         if isinstance(value, torch.fx.Node):
-            fwd_outputs.append(env[value])
+            fwd.outputs.append(value)
         else:
             constant_outputs.append((i, value))
-            fwd_outputs.append(None)
-    fwd.output(fwd_outputs + [env[n] for n in saved])
-    forward = _boxed(gm, fwd, "MemplanForward")
+            fwd.outputs.append(None)
+    fwd.outputs += saved
+    programs = [(fwd, "MemplanForward")]
 
-    # Step 3: the backward module.
-    backward = None
+    # Step 3: the backward program.
     grad_inputs: tuple[int, ...] = ()
     if graph.training:
-        bwd = torch.fx.Graph()
-        benv: dict[torch.fx.Node, torch.fx.Node] = {}
-        for node in saved:
-            benv[node] = bwd.placeholder(node.name)
-            benv[node].meta = dict(node.meta)
-        for node in placeholders:
-            if node.name in tangent_names:
-                benv[node] = bwd.node_copy(node, lambda n: benv[n])
+        bwd = _Program()
+        bwd.items += [(node, True) for node in saved]
+        bwd.items += [(node, False) for node in placeholders if node.name in tangent_names]
         for node in nodes:
-            if node.op in ("placeholder", "output") or is_forward(node):
+            if node.op in ("placeholder", "output") or node in forward:
                 continue
-            benv[node] = benv[node.args[0]] if _is_detach(node) else bwd.node_copy(node, lambda n: benv[n])
-        grads = []
-        for value in flat_output_args[len(model_outputs) :]:
-            grads.append(benv[value] if isinstance(value, torch.fx.Node) else value)
-        bwd.output(grads)
-        backward = _boxed(gm, bwd, "MemplanBackward")
+            if _is_detach(node):
+                bwd.skip_detach(node)
+            else:
+                bwd.items.append((node, False))
+        bwd.outputs = flat_output_args[len(model_outputs) :]
+        programs.append((bwd, "MemplanBackward"))
         requires = [i for i, s in enumerate(s for s in graph.inputs if s.kind != "tangent") if s.requires_grad]
         if len(requires) != len(grad_outputs):
             raise AssertionError(f"{len(requires)} inputs require grad but the graph returns {len(grad_outputs)} gradients")
         grad_inputs = tuple(requires)
 
+    # Step 4: the code that runs, and the modules, built when first read. The code runs with the planned
+    # graph's module as ``self``: a GraphModule takes its submodules and attributes from there.
+    def build_modules() -> tuple[torch.fx.GraphModule, torch.fx.GraphModule | None]:
+        modules = [program.graph_module(gm, name) for program, name in programs]
+        return modules[0], modules[1] if len(modules) > 1 else None
+
+    runners: list[Callable[[list[Any]], Any]] = []
+    try:
+        for program, name in programs:
+            source, globals_ = _boxed_source(program)
+            runners.append(_runner(gm, source, globals_, name))
+    except _Unsupported:
+        # Something the direct code generation does not know: fx generates the modules' code.
+        built = build_modules()
+        runners = [fast_callable(module) for module in built if module is not None]
+        build_modules = lambda: built  # noqa: E731 - the modules already built
+
     differentiable = tuple(i for i, s in enumerate(model_outputs) if s.differentiable)
     return Emitted(
-        forward=forward,
-        backward=backward,
         n_outputs=len(model_outputs),
         saved=tuple(n.name for n in saved),
         differentiable=differentiable,
         grad_inputs=grad_inputs,
         constant_outputs=tuple(constant_outputs),
+        run_forward=runners[0],
+        run_backward=runners[1] if len(runners) > 1 else None,
+        build_modules=build_modules,
     )
 
 
@@ -192,6 +275,13 @@ def fast_callable(gm: torch.fx.GraphModule) -> Callable[[list[Any]], Any]:
     a Python frame that only forwards to ``OpOverload._op``. Binding ``_op`` as a global removes both,
     which is most of the Python overhead of running a graph of small ops. The code is otherwise fx's own.
     """
+    python_code = gm.graph.python_code(root_module="self")
+    return _runner(gm, python_code.src, python_code.globals, type(gm).__name__)
+
+
+def _runner(root: torch.nn.Module, src: str, globals_: dict[str, Any], name: str) -> Callable[[list[Any]], Any]:
+    """Compile the boxed function ``forward(self, args_list)`` in ``src`` with its operators bound (see
+    :func:`fast_callable`), and call it with ``root`` as ``self`` (where its submodules and attributes are)."""
     bound: dict[str, Any] = {}
     names: dict[str, str] = {}
 
@@ -204,17 +294,159 @@ def fast_callable(gm: torch.fx.GraphModule) -> Callable[[list[Any]], Any]:
             bound[names[qualified]] = operator._op
         return names[qualified] + "("
 
-    python_code = gm.graph.python_code(root_module="self")
-    source = _OP_CALL.sub(bind, python_code.src)
-    namespace = dict(python_code.globals)
+    source = _OP_CALL.sub(bind, src)
+    namespace = dict(globals_)
     namespace.update(bound)
-    exec(compile(source, f"<memplan {type(gm).__name__}>", "exec"), namespace)
+    exec(compile(source, f"<memplan {name}>", "exec"), namespace)
     function = namespace["forward"]
 
     def call(args: list[Any]) -> Any:
-        return function(gm, args)
+        return function(root, args)
 
     return call
+
+
+class _Unsupported(Exception):
+    """A program :func:`_boxed_source` cannot write as fx would (fx then writes it)."""
+
+
+# Argument types whose code is their ``repr``, as in fx's code generation.
+_REPR_TYPES = frozenset(
+    {int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format}
+)
+
+
+def _boxed_source(program: _Program) -> tuple[str, dict[str, Any]]:
+    """The source and globals fx would generate for the program's boxed GraphModule.
+
+    fx copies the nodes into a new graph, whose namespace names them (a saved value's placeholder is
+    named after its target, snake-cased, and read straight into that name; a copy keeps its name unless that is
+    taken), then writes
+    the graph's code, one line per node, each followed by the names of the values whose last use it is
+    (``;  a = b = None``). This does the same on the joint graph's nodes, naming them with fx's own
+    namespace in the same order, for the nodes memplan's graphs hold: placeholders, ``get_attr``,
+    ``call_module`` and ``call_function`` of an aten operator or of a Python operator fx writes as an
+    expression (``x[0]``), over arguments of plain types. Anything else raises :class:`_Unsupported`.
+    ``tests/test_emit.py`` checks the output against fx's.
+
+    fx's code generation names each node once more, in a namespace holding its builtins (``torch``,
+    ``inf``...); that keeps the graph's names, which are valid, distinct and never a builtin's (the
+    graph's namespace renames those), so it is not repeated here. It would name other globals too,
+    which is why calls of other Python functions are left to fx.
+    """
+    if _custom_builtins is None:
+        raise _Unsupported("this torch's fx lacks the helpers the direct code generation uses")
+    if os.environ.get("FX_GRAPH_SHOW_META", "0") == "1":
+        raise _Unsupported("fx writes each node's metadata into the code")
+    graph = torch.fx.Graph()  # stands for the module's graph: its placeholder naming rule
+    graph_names = _Namespace()  # the names node_copy gives in the new graph
+    builtins = _Namespace()
+    globals_: dict[str, Any] = {}
+    for name, (_, obj) in _custom_builtins.items():
+        if not (_is_from_torch(obj) and obj != torch.device):
+            globals_[builtins.create_name(name, obj)] = obj
+
+    names: dict[torch.fx.Node, str] = {}
+    resolve = program.resolve
+    inputs: list[dict[torch.fx.Node, None]] = []  # per line: the values it reads, in fx's order
+    keys: list[torch.fx.Node | None] = []  # per line: the value it defines (None: none)
+    lines: list[str] = []
+    free_vars: list[str] = []
+
+    def code(arg: Any, reads: dict[torch.fx.Node, None]) -> str:
+        kind = type(arg)
+        if kind is torch.fx.Node:
+            value = resolve(arg)
+            reads[value] = None
+            return names[value]
+        if kind in _REPR_TYPES:
+            return repr(arg)
+        if kind is tuple:
+            if len(arg) == 1:
+                return f"({code(arg[0], reads)},)"
+            return "(" + ", ".join([code(a, reads) for a in arg]) + ")"
+        if kind is list or kind is immutable_list:
+            return "[" + ", ".join([code(a, reads) for a in arg]) + "]"
+        if kind is slice:
+            return f"slice({code(arg.start, reads)}, {code(arg.stop, reads)}, {code(arg.step, reads)})"
+        raise _Unsupported(f"argument of type {kind.__name__}")
+
+    for node, saved in program.items:
+        if node.type is not None or node.meta.get("is_wrapped", False):
+            raise _Unsupported("type annotation or wrapped function")
+        if saved:
+            target = node.name
+            candidate = graph._target_to_str(target)
+        else:
+            target = node.target
+            candidate = node.name
+        name = graph_names.create_name(candidate, None)
+        names[node] = name
+        reads: dict[torch.fx.Node, None] = {}
+        op = "placeholder" if saved else node.op
+        if op == "placeholder":
+            if not isinstance(target, str) or name == "self" or (not saved and node.args):
+                raise _Unsupported("placeholder")
+            free_vars.append(name)  # read straight into its name (see _Program.graph_module)
+            continue
+        args = [code(a, reads) for a in node.args]
+        kwargs = [f"{k} = {code(v, reads)}" for k, v in node.kwargs.items()]
+        if op == "call_function":
+            function = node.target
+            if getattr(function, "__module__", "") == "_operator" and function.__name__ in magic_methods:
+                line = f"{name} = {magic_methods[function.__name__].format(*args)}"
+            elif isinstance(function, torch._ops.OpOverload):
+                line = f"{name} = {_qualified_name(function)}({', '.join(args + kwargs)})"
+            else:
+                raise _Unsupported(f"call of {function!r}")
+        elif op == "call_module":
+            line = f"{name} = {_format_target('self', node.target)}({', '.join(args + kwargs)})"
+        elif op == "get_attr":
+            line = f"{name} = {_format_target('self', node.target)}"
+        else:
+            raise _Unsupported(f"{op} node")
+        lines.append(line)
+        keys.append(node)
+        inputs.append(reads)
+    reads = {}
+    lines.append(f"return {code(list(program.outputs), reads)}")
+    keys.append(None)
+    inputs.append(reads)
+
+    # Each line frees the values it reads last, and a value nothing reads right after it is made.
+    read: set[torch.fx.Node] = set()
+    last_reads: list[list[torch.fx.Node]] = [[] for _ in lines]
+    for i in range(len(lines) - 1, -1, -1):
+        for value in inputs[i]:
+            if value not in read:
+                read.add(value)
+                last_reads[i].append(value)
+    body = []
+    for i, line in enumerate(lines[:-1]):
+        freed = [names[value] for value in last_reads[i]]
+        if keys[i] is not None and keys[i] not in read:
+            freed.append(names[keys[i]])
+        if freed and keys[i] is not None:
+            line = f"{line};  {' = '.join(freed)} = None"
+        body.append(line)
+    body.append(lines[-1])
+
+    prologue = "def forward(self, args_list):"
+    if free_vars:
+        prologue += "\n    args_iter = iter(args_list)"
+        prologue += "".join(f"\n    {var} = next(args_iter)" for var in free_vars)
+        prologue += "\n    args_list.clear()"
+    code_text = "\n".join("    " + line for line in body + [""])
+    return f"\n\n\n{prologue}\n{code_text}", globals_
+
+
+@functools.lru_cache(maxsize=None)
+def _qualified_name(operator: torch._ops.OpOverload) -> str:
+    """How fx's code names an operator (``torch.ops.aten.mm.default``); raises :class:`_Unsupported` for one
+    fx would name as a global of the module."""
+    if not _is_from_torch(operator):
+        raise _Unsupported(f"call of {operator!r}")
+    return _get_qualified_name(operator)
 
 
 def _as_traced_layout(grad: torch.Tensor) -> torch.Tensor:

@@ -526,12 +526,17 @@ class Tracer(TorchDispatchMode):
     def _node(self, op: str, target: Any, args: tuple, kwargs: dict, name: str | None) -> torch.fx.Node:
         """A graph node with make_fx's ``seq_nr``: the running backward node's, or the last autograd node made."""
         # Graph.create_node scans the arguments (with pytree) for symbolic scalars, which a static-shape
-        # trace never has; setting them afterwards gives the same node without that scan.
+        # trace never has; setting them afterwards gives the same node without that scan. They are set
+        # in one call of what assigning ``node.args`` and then ``node.kwargs`` calls twice (assigning
+        # also takes the node out of the graph's lookup table by op and target and puts it back, which
+        # a node just made, still last in it, does not need).
         node = self.graph.create_node(op, target, (), None, name)
-        if args:
-            node.args = args
-        if kwargs:
-            node.kwargs = kwargs
+        if args or kwargs:
+            update = getattr(node, "_update_args_kwargs", None)  # private; torch 2.4 has no such name
+            if update is not None:
+                update(args, kwargs if kwargs else node.kwargs)
+            else:
+                node.args, node.kwargs = args, kwargs if kwargs else node.kwargs
         meta = fx_traceback.current_meta
         if meta.get("in_grad_fn", 0) > 0:
             node.meta["seq_nr"] = meta["grad_fn_seq_nr"][-1]
