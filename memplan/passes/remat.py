@@ -95,12 +95,14 @@ pipeline the overheads of several recomputing passes add up.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 import math
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -816,16 +818,27 @@ def plan_copies(
         inside = set(unit)
         return tuple(dict.fromkeys(a for m in unit for a in inputs.get(m, ()) if a not in inside))
 
+    # Memoised per (group, node): an unrolled loop asks for the same values from many readers.
+    holders: dict[tuple[int, str], int | None] = {}
+
     def holder(group: int | None, name: str) -> int | None:
-        while group is not None:
-            if name in groups[group].nodes:
-                return group
-            group = groups[group].parent
-        return None
+        if group is None:
+            return None
+        key = (group, name)
+        if key in holders:
+            return holders[key]
+        found: int | None = group
+        while found is not None and name not in groups[found].nodes:
+            found = groups[found].parent
+        holders[key] = found
+        return found
 
     done: set[tuple[int, str]] = set()
     order: list[tuple[int, str]] = []
     sources: dict[tuple[int, str], dict[str, int | None]] = {}
+    # Per copy not yet made: where each input is read from, and the copies it needs first (one per
+    # input read from a copy, repeats kept), so a copy revisited on the stack is not resolved again.
+    resolving: dict[tuple[int, str], tuple[dict[str, int | None], list[tuple[int, str]]]] = {}
 
     def ensure(key: tuple[int, str]) -> None:
         stack = [key]
@@ -834,21 +847,25 @@ def plan_copies(
             if current in done:
                 stack.pop()
                 continue
-            group, name = current
-            pending = []
-            resolved = {}
-            for arg in copy_inputs(name):
-                held = holder(group, arg)
-                resolved[arg] = held
-                if held is not None and (held, root(arg)) not in done:
-                    pending.append((held, root(arg)))
+            found = resolving.get(current)
+            if found is None:
+                group, name = current
+                resolved: dict[str, int | None] = {}
+                needs: list[tuple[int, str]] = []
+                for arg in copy_inputs(name):
+                    held = holder(group, arg)
+                    resolved[arg] = held
+                    if held is not None:
+                        needs.append((held, root(arg)))
+                found = resolving[current] = (resolved, needs)
+            pending = [need for need in found[1] if need not in done]
             if pending:
                 stack.extend(pending)
                 continue
             stack.pop()
             done.add(current)
             order.append(current)
-            sources[current] = resolved
+            sources[current] = found[0]
 
     reads: dict[str, dict[str, int]] = {}
     readers: dict[tuple[int, str], int] = {}
@@ -861,23 +878,25 @@ def plan_copies(
             if held is None:
                 continue
             key = (held, root(value))
-            ensure(key)
+            if key not in done:
+                ensure(key)
             reads.setdefault(name, {})[value] = held
-            readers[key] = min(readers.get(key, position), position)
+            if key not in readers or position < readers[key]:
+                readers[key] = position
     anchors: dict[tuple[int, str], int] = {}
     for key in reversed(order):
         if key in readers:
             anchors[key] = min(anchors.get(key, readers[key]), readers[key])
         anchor = anchors[key]
-        for arg, held in sources[key].items():
-            if held is not None:
-                source = (held, root(arg))
-                anchors[source] = min(anchors.get(source, anchor), anchor)
+        for need in resolving[key][1]:
+            if need not in anchors or anchor < anchors[need]:
+                anchors[need] = anchor
+    # ``sources`` and ``reads`` hold dicts made here for this plan alone: the plan may keep them.
     return CopyPlan(
         copies=tuple(order),
-        sources={k: dict(v) for k, v in sources.items()},
+        sources=sources,
         anchors=anchors,
-        reads={k: dict(v) for k, v in reads.items()},
+        reads=reads,
         units={m: units[r] for _, r in order if r in units for m in units[r]},
     )
 
@@ -892,29 +911,59 @@ def _insert(editor: GraphEditor, node: torch.fx.Node, like: torch.fx.Node) -> No
     editor.changed = True
 
 
+def _layout(node: torch.fx.Node, cache: dict[torch.fx.Node, tuple]) -> tuple:
+    """Per tensor of ``node``'s fake value: ``(geometry, storage key, storage)``, computed once per node.
+
+    Two tensors with equal geometries (shape, strides, offset, dtype, storage size; see
+    :func:`~memplan.graphutil.same_geometry`) have views with the same metadata. A copy reads a saved
+    original (a weight, a step's input) that many other copies read too, so :func:`apply_recompute`
+    keeps these for the whole apply: the fake values they describe are not replaced while copies are
+    made (readers are retargeted after the last copy).
+    """
+    found = cache.get(node)
+    if found is None:
+        rows = []
+        for _, value in tensor_values(node):
+            storage = value.untyped_storage()
+            geometry = (value.shape, value.stride(), value.storage_offset(), value.dtype, storage.nbytes())
+            rows.append((geometry, StorageWeakRef(storage), storage))
+        found = cache[node] = tuple(rows)
+    return found
+
+
 def _copy_node(editor: GraphEditor, node: torch.fx.Node, remap: Callable[[torch.fx.Node], torch.fx.Node],
-               before: torch.fx.Node) -> torch.fx.Node:
+               before: torch.fx.Node, layouts: dict[torch.fx.Node, tuple] | None = None) -> torch.fx.Node:
     """A copy of ``node`` in the backward, before ``before``, with its arguments remapped.
 
     Its fake value is the original's metadata on the storages of the remapped arguments (see
     :func:`~memplan.graphutil.rebuilt_value`); when that does not apply (no fake tensors), the op runs under the fake mode.
+    ``layouts`` caches :func:`_layout` across the copies of one apply.
+
+    The node is made with ``create_node`` (what ``Graph.node_copy`` does, under the same name candidate,
+    so fx names it alike) but without copying the original's ``meta`` only to replace it: assigning a
+    node attribute goes through ``Node.__setattr__``, which updates fx's node lookup table, and an
+    unrolled loop makes tens of thousands of copies.
     """
+    layouts = {} if layouts is None else layouts
     mapping: dict[torch.fx.Node, torch.fx.Node] = {}
 
     def record(arg: torch.fx.Node) -> torch.fx.Node:
         mapping[arg] = remap(arg)
         return mapping[arg]
 
-    with editor.gm.graph.inserting_before(before):
-        new = editor.gm.graph.node_copy(node, record)
+    args = torch.fx.map_arg(node.args, record)
+    kwargs = torch.fx.map_arg(node.kwargs, record)
+    graph = editor.gm.graph
+    with graph.inserting_before(before):
+        new = graph.create_node(node.op, node.target, args, kwargs, node.name, node.type)
     storage_of: dict[StorageWeakRef, Any] = {}
     geometry_kept = True
     for old, replacement in mapping.items():
-        olds, news = tensor_values(old), tensor_values(replacement)
+        olds, news = _layout(old, layouts), _layout(replacement, layouts)
         geometry_kept = geometry_kept and len(olds) == len(news) and all(
-            same_geometry(a, b) for (_, a), (_, b) in zip(olds, news))
-        for (_, a), (_, b) in zip(olds, news):
-            storage_of[StorageWeakRef(a.untyped_storage())] = b.untyped_storage()
+            a[0] == b[0] for a, b in zip(olds, news))
+        for a, b in zip(olds, news):
+            storage_of[a[1]] = b[2]
     value = rebuilt_value(node.meta.get("val"), storage_of) if geometry_kept else None
     if value is None:
         if new.all_input_nodes:
@@ -923,7 +972,7 @@ def _copy_node(editor: GraphEditor, node: torch.fx.Node, remap: Callable[[torch.
             mode = next(v.fake_mode for _, v in tensor_values(node) if hasattr(v, "fake_mode"))
             with mode:
                 value = new.target(*new.args, **new.kwargs)
-    new.meta = {"val": value}
+    new.meta["val"] = value  # ``meta`` is the new node's own empty dict
     _insert(editor, new, node)
     return new
 
@@ -946,20 +995,29 @@ def apply_recompute(editor: GraphEditor, copies: CopyPlan) -> dict[tuple[int, st
             for target in mutated_args(node):
                 for _, value in tensor_values(target):
                     last_writer[StorageWeakRef(value.untyped_storage())] = node
+    layouts: dict[torch.fx.Node, tuple] = {}
+    written_after: dict[torch.fx.Node, torch.fx.Node | None] = {}
     settled: dict[tuple[str, str], torch.fx.Node] = {}
 
     def original(arg: torch.fx.Node, anchor: torch.fx.Node) -> torch.fx.Node:
         """``arg`` itself, or a view of its storage made from the last write to it when ``arg`` was
         defined before that write (a copy must not read through a node older than a write)."""
-        for _, value in tensor_values(arg):
-            writer = last_writer.get(StorageWeakRef(value.untyped_storage()))
-            later = writer is not None and position[writer.name] > position[arg.name]
-            if later and isinstance(arg.meta.get("val"), torch.Tensor):
-                key = (arg.name, anchor.name)
-                if key not in settled:
-                    settled[key] = _strided(editor, writer, arg, anchor)
-                return settled[key]
-        return arg
+        if arg not in written_after:
+            found = None
+            if isinstance(arg.meta.get("val"), torch.Tensor):
+                for _, key, _ in _layout(arg, layouts):
+                    writer = last_writer.get(key)
+                    if writer is not None and position[writer.name] > position[arg.name]:
+                        found = writer
+                        break
+            written_after[arg] = found
+        writer = written_after[arg]
+        if writer is None:
+            return arg
+        key = (arg.name, anchor.name)
+        if key not in settled:
+            settled[key] = _strided(editor, writer, arg, anchor)
+        return settled[key]
 
     made: dict[tuple[int, str], torch.fx.Node] = {}
     wanted: dict[tuple[int, str], set[str]] = {}
@@ -983,11 +1041,11 @@ def apply_recompute(editor: GraphEditor, copies: CopyPlan) -> dict[tuple[int, st
             return original(arg, anchor) if held is None else made[(held, arg.name)]
 
         if name not in copies.units:
-            made[key] = _copy_node(editor, by_name[name], remap, anchor)
+            made[key] = _copy_node(editor, by_name[name], remap, anchor, layouts)
             continue
         unit = copies.units[name]
         inside = set(unit)
-        version = _copy_node(editor, by_name[unit[0]], remap, anchor)
+        version = _copy_node(editor, by_name[unit[0]], remap, anchor, layouts)
         for member in unit[1:]:
             node = by_name[member]
             if not mutated_args(node):
@@ -996,7 +1054,7 @@ def apply_recompute(editor: GraphEditor, copies: CopyPlan) -> dict[tuple[int, st
             def remap_writer(arg: torch.fx.Node, version: torch.fx.Node = version) -> torch.fx.Node:
                 return _strided(editor, version, arg, anchor) if arg.name in inside else remap(arg)
 
-            version = _copy_node(editor, node, remap_writer, anchor)
+            version = _copy_node(editor, node, remap_writer, anchor, layouts)
         for member in sorted(wanted.get(key, ()), key=unit.index):
             made[(group, member)] = _strided(editor, version, by_name[member], anchor)
     for reader, values in copies.reads.items():
@@ -1016,7 +1074,7 @@ def _strided(editor: GraphEditor, version: torch.fx.Node, like: torch.fx.Node, b
         return editor.call(torch.ops.aten.as_strided.default, args, like=like, phase=Phase.BACKWARD, before=before)
     with editor.gm.graph.inserting_before(before):
         node = editor.gm.graph.call_function(torch.ops.aten.as_strided.default, args)
-    node.meta = {"val": rebuilt}
+    node.meta["val"] = rebuilt  # ``meta`` is the new node's own empty dict
     _insert(editor, node, like)
     return node
 
@@ -1265,10 +1323,11 @@ def _max_flow(adjacent: Sequence[Sequence[int]], to: Sequence[int], residual: li
     residual capacity, and a depth-first search pushes flow along shortest paths only (each node remembers
     the next edge to try, and a dead end is dropped from the level graph), until the sink is out of reach.
     """
-    for path in paths:
-        pushed = min(residual[e] for e in path if e is not None)
+    for first, middle, last in paths:
+        pushed = min(residual[first], residual[last]) if middle is None \
+            else min(residual[first], residual[middle], residual[last])
         if pushed > 0:
-            for e in path:
+            for e in (first, middle, last):
                 if e is not None:
                     residual[e] -= pushed
                     residual[e ^ 1] += pushed
@@ -1295,12 +1354,16 @@ def _max_flow(adjacent: Sequence[Sequence[int]], to: Sequence[int], residual: li
             u = source
             while u != sink:
                 edges_of, i, wanted = adjacent[u], cursor[u], level[u] + 1
-                while i < len(edges_of) and not (residual[edges_of[i]] > 0 and level[to[edges_of[i]]] == wanted):
+                end = len(edges_of)
+                while i < end:
+                    e = edges_of[i]
+                    if residual[e] > 0 and level[to[e]] == wanted:
+                        break
                     i += 1
                 cursor[u] = i
-                if i < len(edges_of):
-                    path.append(edges_of[i])
-                    u = to[edges_of[i]]
+                if i < end:
+                    path.append(e)
+                    u = to[e]
                 elif u == source:
                     break
                 else:
@@ -1505,6 +1568,13 @@ class VirtualSimulation:
     equals the simulated peak of the applied graph (the tests check it) at the cost of one linear sweep,
     with no fake-tensor propagation and no code generation.
 
+    The sweep is sparse: a plan touches a few thousand items (its copies and slices, the backward nodes
+    that read them, and the views of those whose storages move), and every other node of the graph
+    aliases and reads what it did before the plan. What those do is fixed per graph and kept as arrays
+    (which storages each node touches, which node creates each storage), so a plan costs numpy work on
+    them plus Python work on the items it touches, not a Python loop over the whole graph; planning
+    simulates a dozen plans of one graph.
+
     Examples
     --------
     >>> import torch, dataclasses
@@ -1519,35 +1589,65 @@ class VirtualSimulation:
     def __init__(self, graph: CapturedGraph, am: AnalysisManager):
         tensors = am.get(Tensors)
         nodes = list(graph.gm.graph.nodes)
+        self._nodes = nodes
+        self._phases = graph.phases
         self.names = tuple(n.name for n in nodes)  # copy anchors index this (all nodes, graph order)
-        self.index = {name: i for i, name in enumerate(self.names)}
-        self.order = tuple(n.name for n in nodes if n.op not in ("placeholder", "get_attr", "output"))
-        self.position = {name: i for i, name in enumerate(self.order)}
-        self.inputs = {n.name: tuple(a.name for a in n.all_input_nodes) for n in nodes if n.op == "call_function"}
+        # Items are ids (ints): a node of the graph is its index in ``names``.
+        self.index = index = {name: i for i, name in enumerate(self.names)}
+        node_id = {n: i for i, n in enumerate(nodes)}
         infos = tensors.tensors
-        self.aliases = {n.name: tuple(dict.fromkeys(info.storage for info in infos.get(n.name, ()))) for n in nodes}
-        self.value_bytes = {name: infos[name][0].nbytes for name in self.names if infos.get(name)}
-        self.storages = tensors.storages
-        output = next(n for n in reversed(nodes) if n.op == "output")
-        self.outputs = tuple(a.name for a in output.all_input_nodes)
-        self.backward_users = {
-            n.name: tuple(u.name for u in n.users if graph.phases.get(u.name) is Phase.BACKWARD) for n in nodes
-        }
-        self.next_id = max(self.storages, default=-1) + 1
+        storages = self.storages = tensors.storages
+        self.next_id = max(storages, default=-1) + 1
         self.margin = step_margin(graph)
-        # The timeline works on item ids (ints: a node of the graph is its index in ``names``), so it
-        # hashes no tuples. What each node does in the graph as given: the ids of its inputs, the
-        # storages it creates, and those it touches (aliases or reads).
-        index, aliases, storages = self.index, self.aliases, self.storages
-        self.arg_ids = tuple(tuple(index[a] for a in self.inputs.get(name, ())) for name in self.names)
-        self.alias_ids = tuple(aliases[name] for name in self.names)
-        self.created_by = tuple(frozenset(sid for sid in aliases[name] if storages[sid].creator == name)
-                                for name in self.names)
-        self.touches = tuple(
-            aliases[name] + tuple(sid for arg in self.inputs.get(name, ()) for sid in aliases[arg])
-            for name in self.names
-        )
-        self.order_ids = tuple(index[name] for name in self.order)
+        # Per node: the ids of its inputs (call_function nodes only, as the emitted code reads them), the
+        # storages it aliases, and the bytes of its (first) value.
+        self.arg_ids = tuple(tuple(node_id[a] for a in n.all_input_nodes) if n.op == "call_function" else ()
+                             for n in nodes)
+        self.alias_ids = tuple(tuple(dict.fromkeys(info.storage for info in infos.get(name, ())))
+                               for name in self.names)
+        self.value_bytes = {index[name]: found[0].nbytes for name, found in infos.items() if found and name in index}
+        self.creator = {sid: index.get(storage.creator, -1) for sid, storage in storages.items()}
+        output = next(n for n in reversed(nodes) if n.op == "output")
+        self.output_ids = tuple(node_id[a] for a in output.all_input_nodes)
+        # The nodes the sweep visits, in graph order (``order[p]`` is a node id), and each node's place.
+        self.order = np.array([i for i, n in enumerate(nodes) if n.op not in ("placeholder", "get_attr", "output")],
+                              dtype=np.int64)
+        place = [-1] * len(nodes)
+        for p, i in enumerate(self.order.tolist()):
+            place[i] = p
+        self.place = place
+        # Who reads each node (among the visited nodes), for following storages that a plan moves.
+        readers: list[list[int]] = [[] for _ in nodes]
+        # Every (place, storage) a visited node touches as given: the storages it aliases and reads.
+        touch_place: list[int] = []
+        touch_sid: list[int] = []
+        alias_ids, arg_ids = self.alias_ids, self.arg_ids
+        for p, i in enumerate(self.order.tolist()):
+            touched = list(alias_ids[i])
+            for a in arg_ids[i]:
+                readers[a].append(i)
+                touched.extend(alias_ids[a])
+            touch_place.extend([p] * len(touched))
+            touch_sid.extend(touched)
+        self.readers = tuple(tuple(r) for r in readers)
+        self.touch_place = np.array(touch_place, dtype=np.int64)
+        self.touch_sid = np.array(touch_sid, dtype=np.int64)
+        # Storages the graph allocates: made by a visited node, not external; where, and how big.
+        born = [(sid, place[c], storages[sid].nbytes) for sid, c in self.creator.items()
+                if c >= 0 and place[c] >= 0 and not storages[sid].external]
+        self.born_sid = np.array([b[0] for b in born], dtype=np.int64)
+        self.born_place = np.array([b[1] for b in born], dtype=np.int64)
+        self.born_bytes = np.array([b[2] for b in born], dtype=np.int64)
+        self._backward_users: dict[str, tuple[int, ...]] = {}
+
+    def backward_users(self, name: str) -> tuple[int, ...]:
+        """Ids of the backward nodes that read ``name`` (for the stack reads of a plan)."""
+        found = self._backward_users.get(name)
+        if found is None:
+            node = self._nodes[self.index[name]]
+            found = self._backward_users[name] = tuple(
+                self.index[u.name] for u in node.users if self._phases.get(u.name) is Phase.BACKWARD)
+        return found
 
     def step_peak(self, reads: Sequence[StackRead] = (), copies: CopyPlan | None = None) -> int:
         """:meth:`peak` plus :func:`step_margin`: the peak ``memplan.measure`` reports for a training step."""
@@ -1555,24 +1655,26 @@ class VirtualSimulation:
 
     def peak(self, reads: Sequence[StackRead] = (), copies: CopyPlan | None = None) -> int:
         """Peak bytes of the graph with ``reads`` and ``copies`` applied (both planned on this graph)."""
-        return max(self.timeline(reads, copies), default=0)
+        live = self._live(reads, copies)
+        return int(live.max()) if len(live) else 0
 
     def timeline(self, reads: Sequence[StackRead] = (), copies: CopyPlan | None = None) -> list[int]:
         """Bytes live right after each node of the applied graph (``SimEvent.live``), in its order."""
-        # Items are ids: a node of the graph is its index in ``names``, copy ``k`` (creation order) is
-        # ``count + k``, the slice of ``reads[i]`` is ``first_slice + i``.
+        return self._live(reads, copies).tolist()
+
+    def _live(self, reads: Sequence[StackRead], copies: CopyPlan | None) -> np.ndarray:
+        # Step 1: the new items. Copy ``k`` (creation order) is ``count + k``, the slice of ``reads[i]``
+        # is ``first_slice + i``; what each stands for, and what it reads: an original (its id) or a copy.
         index, names, count = self.index, self.names, len(self.names)
         keys = copies.copies if copies is not None else ()
         copy_of = {key: count + k for k, key in enumerate(keys)}
         first_slice = count + len(keys)
-        total = first_slice + len(reads)
         units = copies.units if copies is not None else {}
 
         def root(name: str) -> str:
             unit = units.get(name)
             return unit[0] if unit is not None else name
 
-        # What each copy is a copy of, and what it reads: the original (its id) or a copy.
         node_of: list[int] = list(range(count))  # item -> id of the node of the graph it stands for
         copy_args: list[tuple[int, ...]] = []  # per copy: ids of the originals of its inputs
         copy_reads: list[list[int]] = []  # per copy: the items it reads
@@ -1584,18 +1686,19 @@ class VirtualSimulation:
                                for arg, held in sources.items()])
         node_of.extend(index[read.value] for read in reads)
 
-        # Where each new item goes: copies before their anchor node (creation order), then each slice
-        # of a stack read before the first backward node or copy that reads its value.
+        # Step 2: where each new item goes: copies before their anchor node (creation order), then each
+        # slice of a stack read before the first backward node or copy that reads its value.
+        place = self.place
         before: dict[int, list[int]] = {}
         rank: dict[int, tuple[int, int, int]] = {}  # an item's place in the sequence, comparable without building it
         for k, key in enumerate(keys):
-            anchor = names[copies.anchors[key]]
-            made = before.setdefault(index[anchor], [])
-            rank[count + k] = (self.position.get(anchor, -1), 0, len(made))
+            anchor = copies.anchors[key]
+            made = before.setdefault(anchor, [])
+            rank[count + k] = (place[anchor], 0, len(made))
             made.append(count + k)
 
-        def place(item: int) -> tuple[int, int, int]:
-            return rank[item] if item >= count else (self.position[names[item]], 1, 0)
+        def rank_of(item: int) -> tuple[int, int, int]:
+            return rank[item] if item >= count else (place[item], 1, 0)
 
         redirect: dict[tuple[int, int], int] = {}  # (reader item, id of the value it reads) -> slice item
         slices: dict[int, list[int]] = {}
@@ -1606,22 +1709,40 @@ class VirtualSimulation:
                     if held is None:
                         copy_readers.setdefault(arg, []).append(count + k)
             for i, read in enumerate(reads):
-                via = [index[r] for r in self.backward_users[read.value]
-                       if copies is None or read.value not in copies.reads.get(r, {})]
+                via = [r for r in self.backward_users(read.value)
+                       if copies is None or read.value not in copies.reads.get(names[r], {})]
                 readers = via + copy_readers.get(read.value, [])
                 if not readers:
                     continue
-                slices.setdefault(min(readers, key=place), []).append(first_slice + i)
+                slices.setdefault(min(readers, key=rank_of), []).append(first_slice + i)
                 value = index[read.value]
                 for reader in readers:
                     redirect[(reader, value)] = first_slice + i
-        sequence: list[int] = []
-        for item in self.order_ids:
-            for made in before.get(item, ()):
-                sequence.extend(slices.get(made, ()))
-                sequence.append(made)
-            sequence.extend(slices.get(item, ()))
-            sequence.append(item)
+
+        # Step 3: the position of every item in the applied graph. A visited node moves down by the new
+        # items placed before it or before an earlier node; the new items placed before node ``i`` are
+        # ``runs[i]``, in order.
+        runs: dict[int, list[int]] = {}
+        for anchor in set(before) | {item for item in slices if item < count}:
+            if place[anchor] < 0:
+                continue  # not a visited node: neither are the items placed before it
+            run: list[int] = []
+            for made in before.get(anchor, ()):
+                run.extend(slices.get(made, ()))
+                run.append(made)
+            run.extend(slices.get(anchor, ()))
+            runs[anchor] = run
+        visited = len(self.order)
+        shift = np.zeros(visited, dtype=np.int64)
+        for anchor, run in runs.items():
+            shift[place[anchor]] = len(run)
+        at_place = np.arange(visited, dtype=np.int64) + np.cumsum(shift)  # position of each visited node
+        length = visited + int(shift.sum())
+        at_new: dict[int, int] = {}
+        for anchor, run in runs.items():
+            start = int(at_place[place[anchor]]) - len(run)
+            for j, item in enumerate(run):
+                at_new[item] = start + j
 
         # What a node of the graph reads through a copy: item -> {id of the value: copy item}.
         through: dict[int, dict[int, int]] = {}
@@ -1629,145 +1750,118 @@ class VirtualSimulation:
             for reader, values in copies.reads.items():
                 through[index[reader]] = {index[value]: copy_of[(held, root(value))] for value, held in values.items()}
 
+        # Step 4: the storages of the items the plan touches, visited in order: every new item, the nodes
+        # that read a copy or a slice, and (found on the way) the readers of nodes whose storages moved.
+        # Every other node of the graph reads no copy or slice and no node whose storages moved, so it
+        # aliases and reads what it did before the plan (step 5). An item's inputs come before it, so
+        # what they alias is known when it is reached.
+        arg_ids, alias_ids, storages, value_bytes, creator = (self.arg_ids, self.alias_ids, self.storages,
+                                                              self.value_bytes, self.creator)
+        readers_of, next_id = self.readers, self.next_id
         created: dict[int, int] = {}  # new storage id -> bytes
-        unset = object()
-        maps: list[Any] = [unset] * total  # item -> {storage of its node: storage it has}, or None: the same
-        read_cache: list[Any] = [None] * total
-        alias_cache: list[Any] = [None] * total  # an item is read by several later ones
-        arg_ids, alias_ids, storages, value_bytes = self.arg_ids, self.alias_ids, self.storages, self.value_bytes
-
-        def new_storage(nbytes: int) -> int:
-            sid = self.next_id + len(created)
-            created[sid] = nbytes
-            return sid
-
-        def originals_read(item: int) -> tuple[int, ...]:
-            """Ids of the nodes of the graph whose values ``item``'s node reads, in argument order."""
-            if item < count:
-                return arg_ids[item]
-            if item < first_slice:
-                return copy_args[item - count]
-            return (index[reads[item - first_slice].stack],)
-
-        def reads_of(item: int) -> list[int]:
-            found = read_cache[item]
-            if found is not None:
-                return found
+        maps: dict[int, dict[int, int] | None] = {}  # item -> {storage of its node: storage it has}, or None: the same
+        aliases: dict[int, tuple[int, ...]] = {}  # item -> the storages it aliases
+        queued: set[int] = set()  # nodes of the graph visited here
+        pending = [(at, item) for item, at in at_new.items()]
+        for item in set(through) | {reader for reader, _ in redirect if reader < count}:
+            if place[item] >= 0:
+                pending.append((int(at_place[place[item]]), item))
+                queued.add(item)
+        heapq.heapify(pending)
+        last: dict[int, int] = {}  # storage -> position of its last reader among the visited items
+        born: dict[int, int] = {}  # new storage -> position of its first item
+        followed = np.zeros(visited, dtype=bool)
+        while pending:
+            at, item = heapq.heappop(pending)
+            mapping: dict[int, int] | None
             if item >= first_slice:
-                found = [index[reads[item - first_slice].stack]]
+                # a slice aliases the stack (or, made contiguous, a storage of its own)
+                read = reads[item - first_slice]
+                stack, value = index[read.stack], index[read.value]
+                arg_items: list[int] = [stack]
+                if read.contiguous:
+                    target = next_id + len(created)
+                    created[target] = value_bytes[value]
+                else:
+                    target = alias_ids[stack][0]
+                mapping = {sid: target for sid in alias_ids[value]}
+                own = tuple(dict.fromkeys(mapping.values()))
             else:
                 if item < count:
+                    node, args = item, arg_ids[item]
                     via = through.get(item)
-                    args = arg_ids[item]
-                    found = list(args) if via is None else [via.get(arg, arg) for arg in args]
+                    arg_items = list(args) if via is None else [via.get(arg, arg) for arg in args]
                 else:
-                    args = copy_args[item - count]
-                    found = copy_reads[item - count]
+                    node, args = node_of[item], copy_args[item - count]
+                    arg_items = copy_reads[item - count]
                 if redirect:
-                    found = [redirect.get((item, arg), ref) for arg, ref in zip(args, found)]
-            read_cache[item] = found
-            return found
-
-        def storage_map(item: int) -> dict[int, int] | None:
-            """How the item's storages differ from its original node's (None: not at all).
-
-            A node that creates a storage keeps it (a copy gets a new one of the same size); a view
-            aliases whatever the input it views now aliases, exactly as the applied graph's refreshed
-            fake values do.
-            """
-            result = maps[item]
-            if result is not unset:
-                return result
-            if item >= first_slice:
-                read = reads[item - first_slice]
-                target = new_storage(value_bytes[read.value]) if read.contiguous else self.aliases[read.stack][0]
-                result = {sid: target for sid in self.aliases.get(read.value, ())}
-                maps[item] = result
-                return result
-            node = node_of[item]
-            creates = self.created_by[node]
-            args = originals_read(item)
-            arg_items = reads_of(item)
-            mapping: dict[int, int] = {}
-            changed = False
-            for sid in alias_ids[node]:
-                target = sid
-                if sid in creates:
-                    if item >= count:
-                        target = new_storage(storages[sid].nbytes)
+                    arg_items = [redirect.get((item, arg), ref) for arg, ref in zip(args, arg_items)]
+                # A node that creates a storage keeps it (a copy gets a new one of the same size); a view
+                # aliases whatever the input it views now aliases, exactly as the applied graph's
+                # refreshed fake values do.
+                mapping = {}
+                changed = False
+                for sid in alias_ids[node]:
+                    target = sid
+                    if creator.get(sid) == node:
+                        if item >= count:
+                            target = next_id + len(created)
+                            created[target] = storages[sid].nbytes
+                    else:
+                        for arg, arg_item in zip(args, arg_items):
+                            if sid in alias_ids[arg]:
+                                arg_map = maps.get(arg_item)
+                                if arg_map is not None:
+                                    target = arg_map.get(sid, sid)
+                                break
+                    mapping[sid] = target
+                    changed = changed or target != sid
+                if changed:
+                    own = tuple(dict.fromkeys(mapping[sid] for sid in alias_ids[node]))
                 else:
-                    for arg, arg_item in zip(args, arg_items):
-                        if sid in alias_ids[arg]:
-                            arg_map = storage_map(arg_item)
-                            if arg_map is not None:
-                                target = arg_map.get(sid, sid)
-                            break
-                mapping[sid] = target
-                changed = changed or target != sid
-            result = mapping if changed else None
-            maps[item] = result
-            return result
-
-        def aliases_of(item: int) -> tuple[int, ...]:
-            found = alias_cache[item]
-            if found is not None:
-                return found
-            mapping = storage_map(item)
-            if item >= first_slice:
-                found = tuple(dict.fromkeys(mapping.values()))
-            else:
-                base = alias_ids[node_of[item]]
-                found = base if mapping is None else tuple(dict.fromkeys(mapping[sid] for sid in base))
-            alias_cache[item] = found
-            return found
-
-        # A node of the graph that reads no copy or slice, and no node whose storages moved, aliases and
-        # reads what it did before the plan: its storages are known without following its arguments.
-        direct = set(through)
-        direct.update(reader for reader, _ in redirect if reader < count)
-        moved: set[int] = set()  # nodes of the graph whose storages differ from the original's
-        last: dict[int, int] = {}
-        born: dict[int, int] = {}
-        created_by, touches = self.created_by, self.touches
-        for at, item in enumerate(sequence):
-            if item < count:
-                if item not in direct and moved.isdisjoint(arg_ids[item]):
-                    # its storages are its node's: known to later readers without a walk back
-                    # through a chain of such nodes (an in-place chain runs the whole loop long)
-                    maps[item] = None
-                    for sid in touches[item]:
-                        last[sid] = at
-                    for sid in created_by[item]:
-                        born[sid] = at
-                    continue
-                if storage_map(item) is not None:
-                    moved.add(item)
-            own = aliases_of(item)
+                    mapping, own = None, alias_ids[node]
+                if item < count:
+                    followed[place[item]] = True
+                    if mapping is not None:
+                        for reader in readers_of[item]:
+                            if reader not in queued:
+                                queued.add(reader)
+                                heapq.heappush(pending, (int(at_place[place[reader]]), reader))
+            maps[item] = mapping
+            aliases[item] = own
             for sid in own:
                 last[sid] = at
-                if sid in created:
-                    born.setdefault(sid, at)
-                elif item < count and storages[sid].creator == names[item]:
+                if sid >= next_id and sid not in born:
                     born[sid] = at
-            for arg in reads_of(item):
-                for sid in aliases_of(arg):
+            for arg_item in arg_items:
+                found = aliases.get(arg_item)
+                for sid in alias_ids[arg_item] if found is None else found:
                     last[sid] = at
-        forever = {sid for name in self.outputs for sid in aliases_of(index[name])}
-        allocate: dict[int, int] = {}
-        free: dict[int, int] = {}
+
+        # Step 5: every other node touches what it touched before the plan, at its new position.
+        last_of = np.full(self.next_id, -1, dtype=np.int64)
+        kept = ~followed[self.touch_place]
+        np.maximum.at(last_of, self.touch_sid[kept], at_place[self.touch_place[kept]])
+        touched_sid = np.fromiter(last.keys(), dtype=np.int64, count=len(last))
+        touched_at = np.fromiter(last.values(), dtype=np.int64, count=len(last))
+        old = touched_sid < next_id
+        np.maximum.at(last_of, touched_sid[old], touched_at[old])
+        new_last = {sid: at for sid, at in last.items() if sid >= next_id}
+
+        # Step 6: allocations at births, frees after last reads (never for storages the outputs keep).
+        forever = {sid for item in self.output_ids for sid in aliases.get(item, alias_ids[item])}
+        kept_to_end = np.zeros(self.next_id, dtype=bool)
+        kept_to_end[[sid for sid in forever if sid < self.next_id]] = True
+        freed = ~kept_to_end[self.born_sid]
+        allocate = np.zeros(length, dtype=np.int64)
+        free = np.zeros(length, dtype=np.int64)
+        np.add.at(allocate, at_place[self.born_place], self.born_bytes)
+        np.add.at(free, last_of[self.born_sid[freed]], self.born_bytes[freed])
         for sid, at in born.items():
-            nbytes = created[sid] if sid in created else storages[sid].nbytes
-            if sid not in created and storages[sid].external:
-                continue
-            allocate[at] = allocate.get(at, 0) + nbytes
+            allocate[at] += created[sid]
             if sid not in forever:
-                free[last[sid]] = free.get(last[sid], 0) + nbytes
-        live, timeline = 0, []
-        for at in range(len(sequence)):
-            live += allocate.get(at, 0)
-            timeline.append(live)
-            live -= free.get(at, 0)
-        return timeline
+                free[new_last[sid]] += created[sid]
+        return np.cumsum(allocate) - (np.cumsum(free) - free)
 
 
 def after_stack_reads(facts: RematFacts, reads: Sequence[StackRead]) -> RematFacts:
