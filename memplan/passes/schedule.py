@@ -54,9 +54,11 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.fx
 
@@ -115,34 +117,38 @@ class ScheduleProblem:
 
     ``simulate(order)`` gives the peak :class:`~memplan.analysis.peak.PeakSimulation` would report for
     the graph in that order, without rebuilding it.
+
+    Every candidate order is built, checked and simulated on this one object, so what they share is
+    computed here once: the edges, the storages, and their numpy copies for :meth:`simulate` and
+    :meth:`is_valid` (an unrolled loop has a hundred thousand nodes and more, and a Python loop over
+    every edge and storage per candidate cost more than building the candidate).
     """
 
     def __init__(self, graph: CapturedGraph, am: AnalysisManager):
         tensors, liveness = am.get(Tensors), am.get(Liveness)
         self.names: tuple[str, ...] = liveness.order
-        index = {name: i for i, name in enumerate(self.names)}
+        index = liveness.position  # name -> original position
         self.index = index
         by_name = {n.name: n for n in graph.gm.graph.nodes}
         nodes = [by_name[name] for name in self.names]
         n = len(nodes)
         self.n = n
-        self.backward = [graph.phases.get(name) is Phase.BACKWARD for name in self.names]
-        self.n_forward = sum(1 for b in self.backward if not b)
-        preds: list[set[int]] = [set() for _ in range(n)]
+        phase_of = graph.phases.get
+        self.backward = [phase_of(name) is Phase.BACKWARD for name in self.names]
+        self.n_forward = self.backward.count(False)
+
+        position_of = {node: i for i, node in enumerate(nodes)}  # by node: no name to look up
 
         # Step 1a: data edges.
-        for i, node in enumerate(nodes):
-            for arg in node.all_input_nodes:
-                j = index.get(arg.name)
-                if j is not None:
-                    preds[i].add(j)
+        preds: list[set[int]] = [
+            {position_of[arg] for arg in node.all_input_nodes if arg in position_of} for node in nodes
+        ]
 
         # Storages: size, creator, every node touching one of its aliases, pinned to the end or not.
         self.sizes: list[int] = []
         self.creator: list[int] = []
         self.to_end: list[bool] = []
         touchers: list[set[int]] = []
-        storage_of_sid: dict[int, int] = {}
         readers_of_sid: dict[int, set[int]] = {}
         for sid, storage in tensors.storages.items():
             readers: set[int] = set()
@@ -151,15 +157,15 @@ class ScheduleProblem:
                 if member in index:
                     readers.add(index[member])
                 for user in by_name[member].users:
-                    if user.op == "output":
+                    j = position_of.get(user)  # every node but placeholders, attributes and the output
+                    if j is not None:
+                        readers.add(j)
+                    elif user.op == "output":
                         to_end = True
-                    elif user.name in index:
-                        readers.add(index[user.name])
             readers_of_sid[sid] = readers
             if storage.external:
                 continue
             creator = index[storage.creator]
-            storage_of_sid[sid] = len(self.sizes)
             self.sizes.append(storage.nbytes)
             self.creator.append(creator)
             self.to_end.append(to_end)
@@ -168,9 +174,13 @@ class ScheduleProblem:
         # Step 1b: writers stay between the earlier and the later readers of what they write.
         ordered: list[int] = []
         writers_of_sid: dict[int, set[int]] = {}
+        side_effects: dict[tuple[str, Any], bool] = {}  # one schema lookup per operator, not per node
         for i, node in enumerate(nodes):
             written = mutated_args(node) if node.op == "call_function" else []
-            if written or _has_side_effects(node):
+            key = (node.op, node.target)
+            if key not in side_effects:
+                side_effects[key] = _has_side_effects(node)
+            if written or side_effects[key]:
                 ordered.append(i)
             for target in written:
                 for sid in tensors.storages_of(target.name):
@@ -183,219 +193,229 @@ class ScheduleProblem:
         for i in range(n):
             preds[i].discard(i)
 
-        self.preds: list[tuple[int, ...]] = [tuple(sorted(p)) for p in preds]
+        self.preds: list[list[int]] = [sorted(p) for p in preds]
         succs: list[list[int]] = [[] for _ in range(n)]
-        for i, ps in enumerate(self.preds):
+        for i, ps in enumerate(self.preds):  # i ascending: each list of successors comes out sorted
             for j in ps:
                 succs[j].append(i)
-        self.succs: list[tuple[int, ...]] = [tuple(sorted(s)) for s in succs]
+        self.succs = succs
         self.born: list[list[int]] = [[] for _ in range(n)]
+        self.alloc = [0] * n
         for s, c in enumerate(self.creator):
             self.born[c].append(s)
-        self.touches: list[list[int]] = [[] for _ in range(n)]
-        for s, ts in enumerate(touchers):
-            for t in sorted(ts):
-                self.touches[t].append(s)
+            self.alloc[c] += self.sizes[s]
+        self.touchers: list[list[int]] = [sorted(ts) for ts in touchers]
         self.n_touchers = [len(ts) for ts in touchers]
-        self.touchers: list[tuple[int, ...]] = [tuple(sorted(ts)) for ts in touchers]
-        self.alloc = [sum(self.sizes[s] for s in self.born[i]) for i in range(n)]
+        self.touches: list[list[int]] = [[] for _ in range(n)]
+        for s, ts in enumerate(self.touchers):
+            for t in ts:
+                self.touches[t].append(s)
+        self._shared = _Shared(self)
 
     # -- simulation -----------------------------------------------------------------------------
 
     def simulate(self, order: Sequence[int]) -> int:
-        """Peak bytes of the graph run in ``order`` (a permutation of ``range(n)``)."""
-        position = [0] * self.n
-        for p, i in enumerate(order):
-            position[i] = p
-        dies: dict[int, int] = {}
-        for s, c in enumerate(self.creator):
-            if self.to_end[s]:
-                continue
-            end = position[c]
-            dies[s] = end
-        for i in range(self.n):
-            p = position[i]
-            for s in self.touches[i]:
-                if not self.to_end[s] and p > dies[s]:
-                    dies[s] = p
-        freed_at = [0] * self.n
-        for s, p in dies.items():
-            freed_at[p] += self.sizes[s]
-        live = peak = 0
-        for p, i in enumerate(order):
-            live += self.alloc[i]
-            peak = max(peak, live)
-            live -= freed_at[p]
-        return peak
+        """Peak bytes of the graph run in ``order`` (a permutation of ``range(n)``).
+
+        Each storage not pinned to the end dies at the latest position of its creator and touchers;
+        the peak is the highest ``live`` reached right after a node allocates, before what dies there
+        is freed. Vectorised over the storages (``np.maximum.at``) and the positions (``cumsum``);
+        the byte counts are exact as int64 (they would have to exceed 8 EiB to overflow).
+        """
+        shared = self._shared
+        if self.n == 0:
+            return 0
+        order = np.asarray(order, dtype=np.int64)
+        position = np.empty(self.n, dtype=np.int64)
+        position[order] = np.arange(self.n, dtype=np.int64)
+        dies = position[shared.creator]
+        np.maximum.at(dies, shared.toucher_storage, position[shared.toucher])
+        freed_at = np.zeros(self.n, dtype=np.int64)
+        np.add.at(freed_at, dies, shared.sizes)
+        # live after the node at p allocates = everything allocated up to p - everything freed before p
+        live = np.cumsum(shared.alloc[order])
+        live[1:] -= np.cumsum(freed_at[:-1])
+        return max(0, int(live.max()))
 
     def is_valid(self, order: Sequence[int]) -> bool:
         """True when ``order`` respects every dependency and the phase boundary."""
+        shared = self._shared
         if sorted(order) != list(range(self.n)):
             return False
-        position = {i: p for p, i in enumerate(order)}
-        if any(position[j] > position[i] for i in range(self.n) for j in self.preds[i]):
+        order = np.asarray(order, dtype=np.int64)
+        position = np.empty(self.n, dtype=np.int64)
+        position[order] = np.arange(self.n, dtype=np.int64)
+        if np.any(position[shared.edge_from] > position[shared.edge_to]):
             return False
-        seen_backward = False
-        for i in order:
-            if self.backward[i]:
-                seen_backward = True
-            elif seen_backward:
-                return False
-        return True
+        # no forward node after a backward one: the phase flags never step down along the order
+        phases = shared.backward[order]
+        return not np.any(phases[1:] < phases[:-1])
 
     # -- greedy list scheduling -----------------------------------------------------------------
 
     def greedy(self, ready: "_Ready") -> list[int]:
-        """Kahn's algorithm; ``ready`` ranks the nodes whose dependencies are placed and picks the next."""
-        state = _State(self, ready)
+        """Kahn's algorithm; ``ready`` ranks the nodes whose dependencies are placed and picks the next.
+
+        Alongside, it keeps ``live`` and ``peak`` and, for every node not yet placed, ``freed[i]``:
+        the bytes running ``i`` now would free. That changes only when a storage ``i`` touches is left
+        with ``i`` as its one toucher not placed, or a storage ``i`` creates with none, so ``freed``
+        is updated on those events (and ``ready`` told when ``i`` is ready), not summed again for
+        every ready node at every step. Storages pinned to the end, or of size 0, never free
+        anything and are left out (``_Shared.touches``).
+        """
+        shared = self._shared
+        n, alloc, backward, succs = self.n, self.alloc, self.backward, self.succs
+        touches, frees, creator = shared.touches, shared.frees, self.creator
+        freed = list(shared.freed_at_start)
+        remaining = list(self.n_touchers)  # touchers of each storage not placed yet
+        # and the sum of their positions: once one is left, that is its position (no search)
+        unplaced_sum = list(shared.toucher_sum)
+        is_ready = [False] * n
+        placed = [False] * n
         indegree = [len(p) for p in self.preds]
         waiting_backward: list[int] = []
         forward_left = self.n_forward
+        n_ready = live = peak = 0
         order: list[int] = []
+        add = ready.add
 
-        def release(i: int) -> None:
-            if self.backward[i] and forward_left > 0:
-                waiting_backward.append(i)
-            else:
-                state.release(i)
-
-        for i in range(self.n):
+        # a node whose dependencies are placed is ready, or waits if it is backward and forward is not done
+        for i in range(n):
             if indegree[i] == 0:
-                release(i)
-        while state.n_ready:
-            pick = ready.pop(state)
+                if backward[i] and forward_left > 0:
+                    waiting_backward.append(i)
+                else:
+                    is_ready[i] = True
+                    n_ready += 1
+                    add(i, freed[i])
+        while n_ready:
+            pick = ready.pop(peak - live)
             order.append(pick)
-            state.run(pick)
-            if not self.backward[pick]:
+            placed[pick] = True
+            n_ready -= 1
+            live += alloc[pick]
+            if live > peak:
+                peak = live
+            live -= freed[pick]
+            for s in touches[pick]:
+                left = remaining[s] = remaining[s] - 1
+                unplaced_sum[s] -= pick
+                if left == 1:  # the one toucher left now frees s
+                    t = unplaced_sum[s]
+                elif left == 0:  # s dies with its creator, if the creator is still to run
+                    t = creator[s]
+                    if placed[t]:
+                        continue
+                else:
+                    continue
+                freed[t] += frees[s]
+                if is_ready[t]:
+                    add(t, freed[t])
+            if not backward[pick]:
                 forward_left -= 1
                 if forward_left == 0:
                     for i in waiting_backward:
-                        state.release(i)
+                        is_ready[i] = True
+                        n_ready += 1
+                        add(i, freed[i])
                     waiting_backward.clear()
-            for j in self.succs[pick]:
+            for j in succs[pick]:
                 indegree[j] -= 1
                 if indegree[j] == 0:
-                    release(j)
-        if len(order) != self.n:  # pragma: no cover - a cycle would be a bug in stage 1
+                    if backward[j] and forward_left > 0:
+                        waiting_backward.append(j)
+                    else:
+                        is_ready[j] = True
+                        n_ready += 1
+                        add(j, freed[j])
+        if len(order) != n:  # pragma: no cover - a cycle would be a bug in stage 1
             raise AssertionError("the dependency graph of the schedule has a cycle")
         return order
 
 
-class _State:
-    """Live bytes, remaining readers, and what each ready node would free, while a greedy order is built.
+class _Shared:
+    """What the candidates share, derived once from a :class:`ScheduleProblem`.
 
-    What running a ready node ``i`` frees changes only when a storage it reads is left with ``i`` as
-    its one reader, or a storage it creates with none: ``freed[i]`` is updated on those events (and
-    ``ready`` told), rather than summed again for every ready node at every step.
+    For :meth:`~ScheduleProblem.simulate`: the storages not pinned to the end (creator, size) and a
+    ``(storage, toucher)`` pair per toucher, as numpy arrays. For :meth:`~ScheduleProblem.is_valid`:
+    the edges and the phase flags. For :meth:`~ScheduleProblem.greedy`: ``touches[i]``, the storages
+    ``i`` touches that free bytes when they die (``frees[s]`` > 0), the sum of each storage's
+    touchers, and what each node frees before anything runs.
     """
 
-    def __init__(self, problem: ScheduleProblem, ready: "_Ready"):
-        self.problem = problem
-        self.ready = ready
-        self.remaining = list(problem.n_touchers)
-        self.placed = [False] * problem.n
-        self.is_ready = [False] * problem.n
-        self.freed = [0] * problem.n
-        self.n_ready = 0
-        self.live = 0
-        self.peak = 0
+    def __init__(self, problem: ScheduleProblem):
+        n = problem.n
+        frees = [0 if pinned else size for size, pinned in zip(problem.sizes, problem.to_end)]
+        self.frees = frees
+        dying = [s for s, pinned in enumerate(problem.to_end) if not pinned]
+        self.creator = np.array([problem.creator[s] for s in dying], dtype=np.int64)
+        self.sizes = np.array([problem.sizes[s] for s in dying], dtype=np.int64)
+        # storage numbers in the arrays above (only the dying ones), repeated once per toucher
+        self.toucher_storage = np.repeat(
+            np.arange(len(dying), dtype=np.int64), [problem.n_touchers[s] for s in dying]
+        )
+        self.toucher = np.fromiter(
+            itertools.chain.from_iterable(problem.touchers[s] for s in dying), dtype=np.int64,
+            count=len(self.toucher_storage),
+        )
+        self.alloc = np.array(problem.alloc, dtype=np.int64)
+        self.edge_to = np.repeat(np.arange(n, dtype=np.int64), [len(ps) for ps in problem.preds])
+        self.edge_from = np.fromiter(
+            itertools.chain.from_iterable(problem.preds), dtype=np.int64, count=len(self.edge_to)
+        )
+        self.backward = np.array(problem.backward, dtype=bool)
 
-    def freed_by(self, i: int) -> int:
-        """Bytes freed right after running ``i`` now."""
-        p = self.problem
-        freed = 0
-        for s in p.touches[i]:
-            if self.remaining[s] == 1 and not p.to_end[s]:
-                freed += p.sizes[s]
-        for s in p.born[i]:
-            if self.remaining[s] == 0 and not p.to_end[s]:
-                freed += p.sizes[s]
-        return freed
-
-    def release(self, i: int) -> None:
-        """``i`` becomes ready."""
-        self.is_ready[i] = True
-        self.n_ready += 1
-        self.freed[i] = self.freed_by(i)
-        self.ready.add(i, self)
-
-    def _refresh(self, i: int) -> None:
-        if self.is_ready[i] and not self.placed[i]:
-            freed = self.freed_by(i)
-            if freed != self.freed[i]:
-                self.freed[i] = freed
-                self.ready.add(i, self)
-
-    def run(self, i: int) -> None:
-        p = self.problem
-        self.placed[i] = True
-        self.n_ready -= 1
-        self.live += p.alloc[i]
-        self.peak = max(self.peak, self.live)
-        self.live -= self.freed[i]
-        for s in p.touches[i]:
-            self.remaining[s] -= 1
-            if p.to_end[s]:
-                continue
-            if self.remaining[s] == 1:
-                for t in p.touchers[s]:  # the one reader left now frees s
-                    if not self.placed[t]:
-                        self._refresh(t)
-            elif self.remaining[s] == 0:
-                self._refresh(p.creator[s])
+        self.touches = [[s for s in ss if frees[s]] for ss in problem.touches]
+        self.toucher_sum = [sum(ts) for ts in problem.touchers]
+        self.freed_at_start = [0] * n
+        for s, size in enumerate(frees):
+            if size and problem.n_touchers[s] == 1:
+                self.freed_at_start[problem.touchers[s][0]] += size
+            elif size and problem.n_touchers[s] == 0:
+                self.freed_at_start[problem.creator[s]] += size
 
 
 class _Ready:
     """How a greedy order ranks its ready nodes; ties go to the original position.
 
-    ``add(i, state)`` is called when ``i`` becomes ready and again whenever ``state.freed[i]``
-    changes; ``pop(state)`` removes and returns the first. Heaps hold one entry per ``add``: entries
-    of placed nodes, or with an old ``freed``, are stale and dropped when they reach the top.
+    ``add(i, freed)`` is called when ``i`` becomes ready and again whenever what it would free
+    changes (it only grows); ``pop(room)`` removes and returns the first, ``room`` being
+    ``peak - live``. The heaps hold one entry per ``add``, the key ``(alloc - freed) * n + i``: one
+    int orders like the pair ``(alloc - freed, i)`` (``0 <= i < n``) and compares faster. An entry
+    is stale once its node is placed or has a newer key (``key[i]``); stale entries are dropped
+    when they reach the top.
     """
 
-    def add(self, i: int, state: _State) -> None:
+    def __init__(self, problem: ScheduleProblem):
+        self.n = problem.n
+        self.alloc = problem.alloc
+        self.key: list[int | None] = [None] * problem.n  # None: not ready, or placed
+
+    def add(self, i: int, freed: int) -> None:
         raise NotImplementedError
 
-    def pop(self, state: _State) -> int:
+    def pop(self, room: int) -> int:
         raise NotImplementedError
-
-
-def _drop_stale(heap: list, state: _State) -> None:
-    """Pop the stale entries ``(net, i)`` off the top of ``heap`` (``net`` is ``alloc - freed``)."""
-    alloc, freed, placed = state.problem.alloc, state.freed, state.placed
-    while heap and (placed[heap[0][1]] or heap[0][0] != alloc[heap[0][1]] - freed[heap[0][1]]):
-        heapq.heappop(heap)
-
-
-class _ByRank(_Ready):
-    """The ready node with the lowest fixed ``rank[i]`` (ties: the lower ``i``)."""
-
-    def __init__(self, rank: Sequence[Any]):
-        self.rank = rank
-        self.heap: list = []
-        self.queued: set[int] = set()
-
-    def add(self, i: int, state: _State) -> None:
-        if i not in self.queued:  # the rank does not depend on what is freed
-            self.queued.add(i)
-            heapq.heappush(self.heap, (self.rank[i], i))
-
-    def pop(self, state: _State) -> int:
-        return heapq.heappop(self.heap)[1]
 
 
 class _FreeFirst(_Ready):
     """The ready node with the smallest net allocation ``alloc - freed`` (frees the most)."""
 
-    def __init__(self):
-        self.heap: list = []
+    def __init__(self, problem: ScheduleProblem):
+        super().__init__(problem)
+        self.heap: list[int] = []
 
-    def add(self, i: int, state: _State) -> None:
-        heapq.heappush(self.heap, (state.problem.alloc[i] - state.freed[i], i))
+    def add(self, i: int, freed: int) -> None:
+        key = self.key[i] = (self.alloc[i] - freed) * self.n + i
+        heapq.heappush(self.heap, key)
 
-    def pop(self, state: _State) -> int:
-        _drop_stale(self.heap, state)
-        return heapq.heappop(self.heap)[1]
+    def pop(self, room: int) -> int:
+        heap, key, n = self.heap, self.key, self.n
+        while heap[0] != key[heap[0] % n]:
+            heapq.heappop(heap)
+        i = heapq.heappop(heap) % n
+        key[i] = None
+        return i
 
 
 class _Lpmf(_Ready):
@@ -404,25 +424,28 @@ class _Lpmf(_Ready):
     it; else the one with the lowest peak while it runs, then the fewest bytes after.
 
     Both orders compare ``alloc`` and ``alloc - freed`` only (``live`` is the same for every node),
-    so the ready nodes are kept in one heap of ``(alloc - freed, i)`` per distinct ``alloc``: the
-    first rule takes the best top among the heaps whose ``alloc`` fits under ``peak - live``, the
-    second the top of the heap with the smallest ``alloc``.
+    so the ready nodes are kept in one heap of keys per distinct ``alloc``: the first rule takes the
+    best top among the heaps whose ``alloc`` fits under ``room = peak - live``, the second the top of
+    the heap with the smallest ``alloc``.
     """
 
     def __init__(self, problem: ScheduleProblem):
+        super().__init__(problem)
         self.allocs = sorted(set(problem.alloc))
-        self.heaps: dict[int, list] = {a: [] for a in self.allocs}
+        self.heaps: list[list[int]] = [[] for _ in self.allocs]
+        bucket = {alloc: b for b, alloc in enumerate(self.allocs)}
+        self.bucket = [bucket[alloc] for alloc in problem.alloc]
 
-    def add(self, i: int, state: _State) -> None:
-        alloc = state.problem.alloc[i]
-        heapq.heappush(self.heaps[alloc], (alloc - state.freed[i], i))
+    def add(self, i: int, freed: int) -> None:
+        key = self.key[i] = (self.alloc[i] - freed) * self.n + i
+        heapq.heappush(self.heaps[self.bucket[i]], key)
 
-    def pop(self, state: _State) -> int:
-        room = state.peak - state.live
-        best: list | None = None
-        for alloc in self.allocs:
-            heap = self.heaps[alloc]
-            _drop_stale(heap, state)
+    def pop(self, room: int) -> int:
+        key, n = self.key, self.n
+        best: list[int] | None = None
+        for alloc, heap in zip(self.allocs, self.heaps):
+            while heap and heap[0] != key[heap[0] % n]:  # drop the stale entries
+                heapq.heappop(heap)
             if not heap:
                 continue
             if alloc > room:  # nothing fits under the peak: the smallest alloc, then the fewest after
@@ -430,16 +453,30 @@ class _Lpmf(_Ready):
                 break
             if best is None or heap[0] < best[0]:
                 best = heap
-        return heapq.heappop(best)[1]
+        i = heapq.heappop(best) % n
+        key[i] = None
+        return i
 
 
 def _bfs(problem: ScheduleProblem) -> list[int]:
-    """By depth (longest path from a source), then original position."""
-    depth = [0] * problem.n
-    for i in range(problem.n):  # original order is topological
-        for j in problem.preds[i]:
-            depth[i] = max(depth[i], depth[j] + 1)
-    return problem.greedy(_ByRank(depth))
+    """By depth (longest path from a source), then original position; the forward phase first.
+
+    This is the order Kahn's algorithm gives when it always takes the ready node of lowest
+    ``(depth, position)`` (how it was built before), found by one sort instead: an edge raises the
+    depth, so the lowest node not placed has all its predecessors placed and is ready, and within a
+    phase the greedy takes exactly the nodes in sorted order. Backward nodes wait for the forward
+    ones, which depend on no backward node (else the greedy could never finish either).
+    """
+    n, preds, backward = problem.n, problem.preds, problem.backward
+    depth = [0] * n
+    for i in range(n):  # original order is topological
+        ps = preds[i]
+        if ps:
+            depth[i] = max([depth[j] for j in ps]) + 1
+            if not backward[i] and any(backward[j] for j in ps):  # pragma: no cover - a bug in stage 1
+                raise AssertionError("the dependency graph of the schedule has a cycle")
+    # np.lexsort sorts by its last key first
+    return np.lexsort((np.arange(n), depth, problem.backward)).tolist()
 
 
 def _dfs(problem: ScheduleProblem) -> list[int]:
@@ -447,32 +484,38 @@ def _dfs(problem: ScheduleProblem) -> list[int]:
 
     ``need(v)`` is the peak of evaluating ``v`` with its operands in Sethi-Ullman order as if the graph
     were a tree; shared operands make it an estimate, which is why the result is only a candidate.
+    Each node's operands are ranked once, when its ``need`` is computed, and the walk reuses them.
     """
     n = problem.n
     out = problem.alloc
     need = [0] * n
+    # operands go most-needing first, ties by position: a stable sort of the (ascending) operands
+    # on out - need, which is -(need - out)
+    rank_key = [0] * n
+    ranked: list[list[int]] = []
     for i in range(n):
-        children = sorted(problem.preds[i], key=lambda c: (-(need[c] - out[c]), c))
+        children = problem.preds[i]
+        if len(children) > 1:
+            children = sorted(children, key=rank_key.__getitem__)
+        ranked.append(children)
         held, best = 0, out[i]
         for c in children:
-            best = max(best, held + need[c])
+            if held + need[c] > best:
+                best = held + need[c]
             held += out[c]
         need[i] = max(best, held + out[i])
+        rank_key[i] = out[i] - need[i]
 
     order: list[int] = []
     placed = [False] * n
 
     def visit(root: int) -> None:
-        # a node is popped once per operand it visits: sort its operands once
-        ranked: dict[int, list[int]] = {}
         stack: list[tuple[int, int]] = [(root, 0)]
         while stack:
             v, k = stack.pop()
             if placed[v]:
                 continue
-            children = ranked.get(v)
-            if children is None:
-                children = ranked[v] = sorted(problem.preds[v], key=lambda c: (-(need[c] - out[c]), c))
+            children = ranked[v]
             while k < len(children) and placed[children[k]]:
                 k += 1
             if k < len(children):
@@ -482,12 +525,11 @@ def _dfs(problem: ScheduleProblem) -> list[int]:
                 placed[v] = True
                 order.append(v)
 
+    # the roots: nodes no node of their own phase reads, forward ones first
+    backward = problem.backward
+    sink = [not any(backward[j] == backward[i] for j in problem.succs[i]) for i in range(n)]
     for phase_backward in (False, True):
-        sinks = [
-            i for i in range(n)
-            if problem.backward[i] == phase_backward
-            and not any(problem.backward[j] == phase_backward for j in problem.succs[i])
-        ]
+        sinks = [i for i in range(n) if sink[i] and backward[i] == phase_backward]
         for root in sorted(sinks, key=lambda i: (-need[i], i)):
             visit(root)
     return order
@@ -497,7 +539,7 @@ def _dfs(problem: ScheduleProblem) -> list[int]:
 STRATEGIES: dict[str, Callable[[ScheduleProblem], list[int]]] = {
     "original": lambda problem: list(range(problem.n)),
     "lpmf": lambda problem: problem.greedy(_Lpmf(problem)),
-    "free_first": lambda problem: problem.greedy(_FreeFirst()),
+    "free_first": lambda problem: problem.greedy(_FreeFirst(problem)),
     "bfs": _bfs,
     "dfs": _dfs,
 }
