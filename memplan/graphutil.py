@@ -8,13 +8,14 @@ analyses read), a phase (forward or backward) and, where it can, the user's sour
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig, FakeTensorMode, in_kernel_invocation_manager
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -29,6 +30,8 @@ __all__ = [
     "fake_value",
     "same_geometry",
     "rebuilt_value",
+    "wrap_fake",
+    "create_node",
     "copy_graph",
     "GraphEditor",
 ]
@@ -108,9 +111,9 @@ def _view_value(mode: Any, target: Any, args: Any, kwargs: Any, leaves: list[Any
     with in_kernel_invocation_manager(mode):
         out = target(*args, **kwargs)
     if isinstance(out, torch.Tensor):
-        return FakeTensor(mode, out, device)
+        return wrap_fake(mode, out, device)
     if isinstance(out, (list, tuple)) and all(isinstance(o, torch.Tensor) for o in out):
-        return type(out)(FakeTensor(mode, o, device) for o in out)
+        return type(out)(wrap_fake(mode, o, device) for o in out)
     return None
 
 
@@ -140,11 +143,11 @@ def rebuilt_value(value: Any, storage_of: dict[StorageWeakRef, Any], *, fresh: b
         if storage is None:
             if not fresh:
                 raise _NotRebuilt
-            storage = storage_of[key] = torch.UntypedStorage(tensor.untyped_storage().nbytes(), device="meta")
-        meta = torch.empty(0, dtype=tensor.dtype, device="meta").set_(
+            storage = storage_of[key] = torch.UntypedStorage(tensor.untyped_storage().nbytes(), device=_META)
+        meta = torch.empty(0, dtype=tensor.dtype, device=_META).set_(
             storage, tensor.storage_offset(), tensor.shape, tensor.stride()
         )
-        return FakeTensor(mode, meta, tensor.device)
+        return wrap_fake(mode, meta, tensor.fake_device)
 
     try:
         if isinstance(value, torch.Tensor):
@@ -154,6 +157,67 @@ def rebuilt_value(value: Any, storage_of: dict[StorageWeakRef, Any], *, fresh: b
     except (_NotRebuilt, RuntimeError):
         return None
     return None
+
+
+_META = torch.device("meta")
+
+#: Per fake mode, per fake device: the attributes ``FakeTensor(mode, meta, device)`` gives a new tensor
+#: (see :func:`wrap_fake`). Weak keys: a captured graph's mode goes when its graph goes.
+_FAKE_ATTRIBUTES: weakref.WeakKeyDictionary[FakeTensorMode, dict[torch.device, dict[str, Any]]] = (
+    weakref.WeakKeyDictionary())
+
+
+def wrap_fake(mode: FakeTensorMode, meta: torch.Tensor, device: torch.device) -> FakeTensor:
+    """``FakeTensor(mode, meta, device)``, the same tensor built at about a third of the cost.
+
+    The constructor normalises the device, checks its arguments and sets some twenty attributes
+    (the mode, the device, and per-tensor memos, several through descriptors) one by one, in Python:
+    about half the cost of a node copy, and passes build tens of thousands of fake values on an
+    unrolled loop. Here the tensor is made as the constructor makes it (``Tensor._make_subclass`` with
+    the fake device's dispatch keys, mutable data pointers guarded as the mode says) and receives, in
+    one update, the attributes the constructor gave the first tensor built for this mode and device;
+    the constructor itself is called for that first tensor, and whenever it would do more (a tensor
+    that requires grad, fake-tensor debugging, export's leak tracking) or raise (``meta`` not on the
+    meta device). ``tests/test_graphutil.py``
+    checks that both give equal tensors.
+    """
+    if not meta.is_meta or meta.requires_grad or FakeTensorConfig.debug or torch.compiler.is_exporting():
+        return FakeTensor(mode, meta, device)
+    per_device = _FAKE_ATTRIBUTES.get(mode)
+    if per_device is None:
+        per_device = _FAKE_ATTRIBUTES[mode] = {}
+    attributes = per_device.get(device)
+    if attributes is None:
+        made = FakeTensor(mode, meta, device)
+        per_device[device] = dict(made.__dict__)
+        return made
+    fake = torch.Tensor._make_subclass(FakeTensor, meta, False, dispatch_device=True,
+                                       device_for_backend_keys=attributes["_fake_device"])
+    if mode._allow_unsafe_data_ptr_access:
+        torch._C._set_warn_deprecated_on_mutable_data_ptr(fake)
+    else:
+        torch._C._set_throw_on_mutable_data_ptr(fake)
+    fake.__dict__.update(attributes)
+    return fake
+
+
+def create_node(graph: torch.fx.Graph, op: str, target: Any, args: tuple, kwargs: dict | None = None,
+                name: str | None = None, type_expr: Any = None) -> torch.fx.Node:
+    """``graph.create_node(op, target, args, kwargs, name, type_expr)`` at the graph's insert point, for
+    arguments that hold no raw ``SymInt`` (memplan's graphs have static shapes).
+
+    ``Graph.create_node`` walks the arguments (pytree, lists of sizes included) only to warn about raw
+    symbolic values; that walk was about a third of the cost of a node copy, and passes copy tens of
+    thousands of nodes of an unrolled loop. The node is created without arguments, which skips it, and
+    then given them as fx says arguments are set (assigning ``args`` and ``kwargs``, which records the
+    uses). The node gets the name, place and users ``Graph.create_node`` would give it.
+    """
+    node = graph.create_node(op, target, (), None, name, type_expr)
+    if args:
+        node.args = args
+    if kwargs:
+        node.kwargs = kwargs
+    return node
 
 
 class _NotRebuilt(Exception):
@@ -206,7 +270,7 @@ class GraphEditor:
         graph = self.gm.graph
         ctx = graph.inserting_before(before) if before is not None else graph.inserting_after(after)
         with ctx:
-            node = graph.call_function(target, args, kwargs or {}, name=name)
+            node = create_node(graph, "call_function", target, args, kwargs, name)
         node.meta["val"] = fake_value(target, args, kwargs) if value is None else value
         self._inherit(node, like, phase)
         self.changed = True

@@ -113,6 +113,7 @@ from memplan.analysis.tensors import Tensors, tensor_values
 from memplan.capture import CapturedGraph, Phase
 from memplan.graphutil import (
     GraphEditor,
+    create_node,
     fake_value,
     is_random,
     mutated_args,
@@ -939,10 +940,11 @@ def _copy_node(editor: GraphEditor, node: torch.fx.Node, remap: Callable[[torch.
     :func:`~memplan.graphutil.rebuilt_value`); when that does not apply (no fake tensors), the op runs under the fake mode.
     ``layouts`` caches :func:`_layout` across the copies of one apply.
 
-    The node is made with ``create_node`` (what ``Graph.node_copy`` does, under the same name candidate,
-    so fx names it alike) but without copying the original's ``meta`` only to replace it: assigning a
-    node attribute goes through ``Node.__setattr__``, which updates fx's node lookup table, and an
-    unrolled loop makes tens of thousands of copies.
+    The node is made with :func:`~memplan.graphutil.create_node` (fx's ``create_node``, which
+    ``Graph.node_copy`` calls, under the same name candidate, so fx names it alike) but without copying
+    the original's ``meta`` only to replace it: assigning a node attribute goes through
+    ``Node.__setattr__``, which updates fx's node lookup table, and an unrolled loop makes tens of
+    thousands of copies.
     """
     layouts = {} if layouts is None else layouts
     mapping: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -955,11 +957,16 @@ def _copy_node(editor: GraphEditor, node: torch.fx.Node, remap: Callable[[torch.
     kwargs = torch.fx.map_arg(node.kwargs, record)
     graph = editor.gm.graph
     with graph.inserting_before(before):
-        new = graph.create_node(node.op, node.target, args, kwargs, node.name, node.type)
+        new = create_node(graph, node.op, node.target, args, kwargs, node.name, node.type)
     storage_of: dict[StorageWeakRef, Any] = {}
     geometry_kept = True
     for old, replacement in mapping.items():
-        olds, news = _layout(old, layouts), _layout(replacement, layouts)
+        olds = _layout(old, layouts)
+        if replacement is old:  # an original read as it is (a weight, a saved input): its own storages
+            for row in olds:
+                storage_of[row[1]] = row[2]
+            continue
+        news = _layout(replacement, layouts)
         geometry_kept = geometry_kept and len(olds) == len(news) and all(
             a[0] == b[0] for a, b in zip(olds, news))
         for a, b in zip(olds, news):
@@ -1073,7 +1080,7 @@ def _strided(editor: GraphEditor, version: torch.fx.Node, like: torch.fx.Node, b
     if rebuilt is None:
         return editor.call(torch.ops.aten.as_strided.default, args, like=like, phase=Phase.BACKWARD, before=before)
     with editor.gm.graph.inserting_before(before):
-        node = editor.gm.graph.call_function(torch.ops.aten.as_strided.default, args)
+        node = create_node(editor.gm.graph, "call_function", torch.ops.aten.as_strided.default, args)
     node.meta["val"] = rebuilt  # ``meta`` is the new node's own empty dict
     _insert(editor, node, like)
     return node
@@ -1216,7 +1223,7 @@ class CutNetwork:
 
     def __init__(self, facts: RematFacts):
         self.facts = facts
-        relevant = _relevant(facts)
+        self.relevant = relevant = _relevant(facts)  # also what :func:`_ban_sets` groups into classes
         rep = _representatives(facts, relevant)
         members: dict[str, list[str]] = {}
         for name in relevant:
@@ -1265,6 +1272,10 @@ class CutNetwork:
                 sink = self._edge(v_out, 1, math.inf)
                 if first is not None:
                     self.paths.append((first, self.save_edge.get(i), sink))
+        # Per recomputable merged node, what a cut's capacities depend on (read once per cut, in a loop
+        # over thousands of nodes): (i, source edge, saving edge, saving cost, FLOPs, expensive, name).
+        self._priced_rows = [(i, self.source_edge[i], self.save_edge[i], self.save[i], self.flops[i],
+                              self.expensive[i], self.names[i]) for i in self.priced]
         # Solved cuts: (price, banned, capacities, residual capacities of the maximum flow).
         self._solved: list[tuple[float, frozenset[str], list[float], list[float]]] = []
 
@@ -1284,16 +1295,18 @@ class CutNetwork:
     def cut(self, price: float | None, banned: frozenset[str] = frozenset()) -> frozenset[str]:
         """The recompute set of the minimum cut at ``price`` with ``banned`` kept saved (see :func:`min_cut`)."""
         banned = frozenset(banned)
-        # Step 1: the capacities of this cut.
+        # Step 1: the capacities of this cut (``open_`` lists the merged nodes neither banned nor, in
+        # AOTAutograd's cut, expensive: :meth:`_banned` inlined).
         capacity = list(self.base)
-        for i in self.priced:
-            save = self.save[i]
-            if self._banned(i, price, banned):
-                capacity[self.source_edge[i]] = math.inf if save is not None else 0
-                capacity[self.save_edge[i]] = save if save is not None else 0
+        open_: list[int] = []
+        for i, source_edge, save_edge, save, flops, expensive, name in self._priced_rows:
+            if name in banned or (price is None and expensive):
+                capacity[source_edge] = math.inf if save is not None else 0
+                capacity[save_edge] = save if save is not None else 0
             else:
-                capacity[self.source_edge[i]] = 0 if price is None else int(round(price * self.flops[i]))
-                capacity[self.save_edge[i]] = save if save is not None else math.inf
+                open_.append(i)
+                capacity[source_edge] = 0 if price is None else int(round(price * flops))
+                capacity[save_edge] = save if save is not None else math.inf
         # Step 2: start from the maximum flow of an earlier cut whose capacities are nowhere larger.
         residual = None
         if price is not None:
@@ -1309,8 +1322,8 @@ class CutNetwork:
         if price is not None:
             self._solved.append((price, banned, capacity, residual))
         reaches = _reaching_sink(self.adjacent, self.to, residual)
-        return frozenset(m for i in self.priced if not self._banned(i, price, banned) and reaches[2 * i + 2]
-                         for m in self.recomputed_members[i])
+        members = self.recomputed_members
+        return frozenset(m for i in open_ if reaches[2 * i + 2] for m in members[i])
 
 
 def _max_flow(adjacent: Sequence[Sequence[int]], to: Sequence[int], residual: list[float],
@@ -1531,17 +1544,19 @@ def _cut_sets(facts: RematFacts, options: RematOptions) -> list[tuple[str, froze
     # The knapsack part: the priced cuts only find the convex hull of the trade-off, so also try
     # keeping whole classes of expensive ops saved (all ``mm(x_t, W)`` of a loop are one class).
     if scale > 0:
-        for names, banned in _ban_sets(facts, options.max_ban_classes):
+        for names, banned in _ban_sets(facts, options.max_ban_classes, cuts.network.relevant):
             found.append((f"save {names}", cuts.cut(low * scale, banned)))
     return found
 
 
-def _ban_sets(facts: RematFacts, exhaustive: int) -> list[tuple[str, frozenset[str]]]:
+def _ban_sets(facts: RematFacts, exhaustive: int,
+              relevant: Sequence[str] | None = None) -> list[tuple[str, frozenset[str]]]:
     """Sets of expensive-op classes to keep saved: every subset of up to ``exhaustive`` classes, else
-    growing prefixes of the classes sorted by FLOPs (most expensive first)."""
+    growing prefixes of the classes sorted by FLOPs (most expensive first). ``relevant``: ``_relevant(facts)``
+    when the caller has it."""
     classes: dict[str, list[str]] = {}
     flops: dict[str, int] = {}
-    for name in _relevant(facts):
+    for name in _relevant(facts) if relevant is None else relevant:
         fact = facts.nodes[name]
         if fact.expensive and fact.recomputable and fact.save_bytes > 0:
             classes.setdefault(fact.signature, []).append(name)
