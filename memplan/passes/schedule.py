@@ -279,15 +279,19 @@ class ScheduleProblem:
         order: list[int] = []
         add = ready.add
 
-        # a node whose dependencies are placed is ready, or waits if it is backward and forward is not done
+        def release(i: int) -> None:
+            """``i``'s dependencies are placed: it is ready, or waits if it is backward and forward is not done."""
+            nonlocal n_ready
+            if backward[i] and forward_left > 0:
+                waiting_backward.append(i)
+            else:
+                is_ready[i] = True
+                n_ready += 1
+                add(i, freed[i])
+
         for i in range(n):
             if indegree[i] == 0:
-                if backward[i] and forward_left > 0:
-                    waiting_backward.append(i)
-                else:
-                    is_ready[i] = True
-                    n_ready += 1
-                    add(i, freed[i])
+                release(i)
         while n_ready:
             pick = ready.pop(peak - live)
             order.append(pick)
@@ -315,19 +319,12 @@ class ScheduleProblem:
                 forward_left -= 1
                 if forward_left == 0:
                     for i in waiting_backward:
-                        is_ready[i] = True
-                        n_ready += 1
-                        add(i, freed[i])
+                        release(i)
                     waiting_backward.clear()
             for j in succs[pick]:
                 indegree[j] -= 1
                 if indegree[j] == 0:
-                    if backward[j] and forward_left > 0:
-                        waiting_backward.append(j)
-                    else:
-                        is_ready[j] = True
-                        n_ready += 1
-                        add(j, freed[j])
+                    release(j)
         if len(order) != n:  # pragma: no cover - a cycle would be a bug in stage 1
             raise AssertionError("the dependency graph of the schedule has a cycle")
         return order

@@ -257,12 +257,17 @@ def test_random_programs_keep_every_constraint_and_never_rise(seed, train, steps
             assert_equivalent(model, optimize(model, passes="inplace,schedule"), *inputs, grad=False)
 
 
+def random_problem(seed, steps, train):
+    """A seeded random model's captured graph (graph lifetimes) and its schedule problem."""
+    model, inputs = random_model(seed, steps=steps, requires_grad_input=train)
+    graph = with_graph_lifetimes(capture(model, *inputs, train=train, seed="tangents"))
+    return graph, ScheduleProblem(graph, AnalysisManager(graph))
+
+
 @settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 10_000))
 def test_every_strategy_gives_a_valid_order_and_the_simulation_matches_the_analysis(seed):
-    model, inputs = random_model(seed, steps=16, requires_grad_input=True)
-    graph = with_graph_lifetimes(capture(model, *inputs, train=True, seed="tangents"))
-    problem = ScheduleProblem(graph, AnalysisManager(graph))
+    graph, problem = random_problem(seed, 16, True)
     assert problem.simulate(range(problem.n)) == peak(graph)
     for name, strategy in STRATEGIES.items():
         assert problem.is_valid(strategy(problem)), name
@@ -272,9 +277,7 @@ def test_every_strategy_gives_a_valid_order_and_the_simulation_matches_the_analy
 @given(seed=st.integers(0, 10_000), train=st.booleans())
 def test_the_simulated_peak_of_every_candidate_is_the_analysis_of_the_reordered_graph(seed, train):
     """``simulate`` (vectorised) against PeakSimulation of the graph actually put in each order."""
-    model, inputs = random_model(seed, steps=16, requires_grad_input=train)
-    graph = with_graph_lifetimes(capture(model, *inputs, train=train, seed="tangents"))
-    problem = ScheduleProblem(graph, AnalysisManager(graph))
+    graph, problem = random_problem(seed, 16, train)
     for name, strategy in STRATEGIES.items():
         candidate = strategy(problem)
         names = tuple(problem.names[i] for i in candidate)
@@ -322,7 +325,5 @@ def kahn_by_depth(problem):
 @given(seed=st.integers(0, 10_000), train=st.booleans())
 def test_bfs_is_kahns_algorithm_by_depth(seed, train):
     """``bfs`` sorts instead of running the greedy: the same order."""
-    model, inputs = random_model(seed, steps=20, requires_grad_input=train)
-    graph = with_graph_lifetimes(capture(model, *inputs, train=train, seed="tangents"))
-    problem = ScheduleProblem(graph, AnalysisManager(graph))
+    _, problem = random_problem(seed, 20, train)
     assert STRATEGIES["bfs"](problem) == kahn_by_depth(problem)
