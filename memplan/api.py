@@ -28,7 +28,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from memplan.analysis.manager import AnalysisManager
-from memplan.analysis.memory import MemoryAnalysis
+from memplan.analysis.peak import PeakSimulation
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph, capture
 from memplan.emit import Emitted, PlanFunction, emit, run_inference
@@ -205,7 +205,7 @@ class OptimizedModule(nn.Module):
         graph = capture(original, *args, seed="tangents", **kwargs)
         captured = AnalysisManager(graph)
         _check_mutations(graph, captured)
-        eager = MemoryAnalysis.from_graph(graph, captured)
+        eager_peak = captured.get(PeakSimulation).peak
         # Passes edit the graph they are given; keep the captured one intact for reports. The copy has the
         # captured graph's nodes and fake values, so its tensor facts are the captured ones.
         result = PassManager(self.passes, self.policy, options=self.options).run(
@@ -214,7 +214,7 @@ class OptimizedModule(nn.Module):
         analyses = result.analyses
         if analyses is None or analyses.graph is not result.graph:
             analyses = AnalysisManager(result.graph)
-        planned = MemoryAnalysis.from_graph(result.graph, analyses)
+        planned_peak = analyses.get(PeakSimulation).peak
         emitted = emit(result.graph)
         tensors = analyses.get(Tensors)
         saved_storages = {sid for name in emitted.saved for sid in tensors.storages_of(name) if not tensors.storages[sid].external}
@@ -224,8 +224,8 @@ class OptimizedModule(nn.Module):
             training=graph.training,
             pipeline=",".join(self.passes),
             records=result.records,
-            eager_peak=eager.peak,
-            planned_peak=planned.peak,
+            eager_peak=eager_peak,
+            planned_peak=planned_peak,
             saved_bytes=saved_bytes,
             plan_seconds=time.perf_counter() - start,
             emitted=emitted,

@@ -205,23 +205,22 @@ def mutation_hazards(graph: CapturedGraph, am: AnalysisManager) -> frozenset[tup
     hazards = set()
     readers_of: dict[str, tuple[int, list[tuple[int, str]]]] = {}  # member -> (last read, reads)
     for sid, storage_writes in writes.items():
-        # Step 2: each member's reads (views and the output read no data: their readers are members).
-        opened = []
-        for member in tensors.storages[sid].members:
-            if member not in readers_of:
-                reads = [(position[u.name], u.name) for u in by_name[member].users
-                         if u.op != "output" and not is_pure_view(u)]
-                readers_of[member] = (max((p for p, _ in reads), default=-1), reads)
-            last, _ = readers_of[member]
-            opened.append((position.get(member, -1), member, last))
-        opened.sort(key=lambda item: item[0])
+        # Step 2: the members by where they are defined.
+        opened = sorted((position.get(member, -1), member) for member in tensors.storages[sid].members)
         # Step 3: sweep the writes in order, keeping the members defined before each write and read after.
+        # A member's reads (views and the output read no data: their readers are members) are listed when
+        # a write first finds it defined: most members of an unrolled loop's storages come after its last write.
         storage_writes.sort(key=lambda item: item[0])
         open_members: list[tuple[int, str]] = []  # (last read, member)
         following = 0
         for p, node, target in storage_writes:
             while following < len(opened) and opened[following][0] < p:
-                start, member, last = opened[following]
+                start, member = opened[following]
+                if member not in readers_of:
+                    reads = [(position[u.name], u.name) for u in by_name[member].users
+                             if u.op != "output" and not is_pure_view(u)]
+                    readers_of[member] = (max((q for q, _ in reads), default=-1), reads)
+                last = readers_of[member][0]
                 if last > start:
                     open_members.append((last, member))
                 following += 1
