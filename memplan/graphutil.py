@@ -160,6 +160,7 @@ def rebuilt_value(value: Any, storage_of: dict[StorageWeakRef, Any], *, fresh: b
 
 
 _META = torch.device("meta")
+_exporting = getattr(torch.compiler, "is_exporting", lambda: False)  # newer torch only
 
 #: Per fake mode, per fake device: the attributes ``FakeTensor(mode, meta, device)`` gives a new tensor
 #: (see :func:`wrap_fake`). Weak keys: a captured graph's mode goes when its graph goes.
@@ -181,7 +182,8 @@ def wrap_fake(mode: FakeTensorMode, meta: torch.Tensor, device: torch.device) ->
     meta device). ``tests/test_graphutil.py``
     checks that both give equal tensors.
     """
-    if not meta.is_meta or meta.requires_grad or FakeTensorConfig.debug or torch.compiler.is_exporting():
+    if (not meta.is_meta or meta.requires_grad or FakeTensorConfig.debug or _exporting()
+            or not hasattr(mode, "_allow_unsafe_data_ptr_access")):  # a torch whose constructor differs
         return FakeTensor(mode, meta, device)
     per_device = _FAKE_ATTRIBUTES.get(mode)
     if per_device is None:
