@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig, FakeTens
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from memplan._capture.tracer import create_node  # capture's tracer makes its nodes the same way
 from memplan.capture import CapturedGraph, Phase
 from memplan.opschema import is_pure_view, is_view_op, mutated_args
 
@@ -201,25 +202,6 @@ def wrap_fake(mode: FakeTensorMode, meta: torch.Tensor, device: torch.device) ->
         torch._C._set_throw_on_mutable_data_ptr(fake)
     fake.__dict__.update(attributes)
     return fake
-
-
-def create_node(graph: torch.fx.Graph, op: str, target: Any, args: tuple, kwargs: dict | None = None,
-                name: str | None = None, type_expr: Any = None) -> torch.fx.Node:
-    """``graph.create_node(op, target, args, kwargs, name, type_expr)`` at the graph's insert point, for
-    arguments that hold no raw ``SymInt`` (memplan's graphs have static shapes).
-
-    ``Graph.create_node`` walks the arguments (pytree, lists of sizes included) only to warn about raw
-    symbolic values; that walk was about a third of the cost of a node copy, and passes copy tens of
-    thousands of nodes of an unrolled loop. The node is created without arguments, which skips it, and
-    then given them as fx says arguments are set (assigning ``args`` and ``kwargs``, which records the
-    uses). The node gets the name, place and users ``Graph.create_node`` would give it.
-    """
-    node = graph.create_node(op, target, (), None, name, type_expr)
-    if args:
-        node.args = args
-    if kwargs:
-        node.kwargs = kwargs
-    return node
 
 
 class _NotRebuilt(Exception):

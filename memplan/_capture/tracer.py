@@ -123,6 +123,25 @@ class _Op:
         )
 
 
+def create_node(graph: torch.fx.Graph, op: str, target: Any, args: tuple, kwargs: dict | None = None,
+                name: str | None = None, type_expr: Any = None) -> torch.fx.Node:
+    """``graph.create_node(op, target, args, kwargs, name, type_expr)`` at the graph's insert point, for
+    arguments that hold no raw ``SymInt`` (memplan's graphs have static shapes).
+
+    ``Graph.create_node`` walks the arguments (pytree, lists of sizes included) only to warn about raw
+    symbolic values; that walk was about a third of the cost of making a node, and the trace and the
+    passes make tens of thousands of an unrolled loop. The node is created without arguments, which skips it, and
+    then given them as fx says arguments are set (assigning ``args`` and ``kwargs``, which records the
+    uses). The node gets the name, place and users ``Graph.create_node`` would give it.
+    """
+    node = graph.create_node(op, target, (), None, name, type_expr)
+    if args:
+        node.args = args
+    if kwargs:
+        node.kwargs = kwargs
+    return node
+
+
 class Tracer(TorchDispatchMode):
     """Records every aten op run on its fake tensors into :attr:`graph`.
 
@@ -525,18 +544,7 @@ class Tracer(TorchDispatchMode):
 
     def _node(self, op: str, target: Any, args: tuple, kwargs: dict, name: str | None) -> torch.fx.Node:
         """A graph node with make_fx's ``seq_nr``: the running backward node's, or the last autograd node made."""
-        # Graph.create_node scans the arguments (with pytree) for symbolic scalars, which a static-shape
-        # trace never has; setting them afterwards gives the same node without that scan. They are set
-        # in one call of what assigning ``node.args`` and then ``node.kwargs`` calls twice (assigning
-        # also takes the node out of the graph's lookup table by op and target and puts it back, which
-        # a node just made, still last in it, does not need).
-        node = self.graph.create_node(op, target, (), None, name)
-        if args or kwargs:
-            update = getattr(node, "_update_args_kwargs", None)  # private; torch 2.4 has no such name
-            if update is not None:
-                update(args, kwargs if kwargs else node.kwargs)
-            else:
-                node.args, node.kwargs = args, kwargs if kwargs else node.kwargs
+        node = create_node(self.graph, op, target, args, kwargs, name)
         meta = fx_traceback.current_meta
         if meta.get("in_grad_fn", 0) > 0:
             node.meta["seq_nr"] = meta["grad_fn_seq_nr"][-1]
