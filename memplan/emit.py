@@ -110,8 +110,12 @@ class _Program:
     def resolve(self, node: torch.fx.Node) -> torch.fx.Node:
         return self.alias.get(node, node)
 
-    def skip_detach(self, node: torch.fx.Node) -> None:
-        self.alias[node] = self.resolve(node.args[0])
+    def add(self, node: torch.fx.Node) -> None:
+        """Copy ``node`` into the program; a detach is not copied, its readers read its input (see :func:`_is_detach`)."""
+        if _is_detach(node):
+            self.alias[node] = self.resolve(node.args[0])
+        else:
+            self.items.append((node, False))
 
     def graph_module(self, root: torch.fx.GraphModule, name: str) -> torch.fx.GraphModule:
         """The program as a boxed GraphModule (copies of its nodes)."""
@@ -166,12 +170,8 @@ def emit(graph: CapturedGraph) -> Emitted:
     # Step 2: the forward program (detaches are not copied: see _is_detach).
     fwd = _Program()
     for node in nodes:
-        if node.op == "output" or node not in forward:
-            continue
-        if _is_detach(node):
-            fwd.skip_detach(node)
-        else:
-            fwd.items.append((node, False))
+        if node.op != "output" and node in forward:
+            fwd.add(node)
     constant_outputs = []
     for i, value in enumerate(flat_output_args[: len(model_outputs)]):
         if isinstance(value, torch.fx.Node):
@@ -189,12 +189,8 @@ def emit(graph: CapturedGraph) -> Emitted:
         bwd.items += [(node, True) for node in saved]
         bwd.items += [(node, False) for node in placeholders if node.name in tangent_names]
         for node in nodes:
-            if node.op in ("placeholder", "output") or node in forward:
-                continue
-            if _is_detach(node):
-                bwd.skip_detach(node)
-            else:
-                bwd.items.append((node, False))
+            if node.op not in ("placeholder", "output") and node not in forward:
+                bwd.add(node)
         bwd.outputs = flat_output_args[len(model_outputs) :]
         programs.append((bwd, "MemplanBackward"))
         requires = [i for i, s in enumerate(s for s in graph.inputs if s.kind != "tangent") if s.requires_grad]
@@ -320,10 +316,9 @@ def _boxed_source(program: _Program) -> tuple[str, dict[str, Any]]:
     """The source and globals fx would generate for the program's boxed GraphModule.
 
     fx copies the nodes into a new graph, whose namespace names them (a saved value's placeholder is
-    named after its target, snake-cased, and read straight into that name; a copy keeps its name unless that is
-    taken), then writes
-    the graph's code, one line per node, each followed by the names of the values whose last use it is
-    (``;  a = b = None``). This does the same on the joint graph's nodes, naming them with fx's own
+    named after its target, snake-cased, and read straight into that name; a copy keeps its name unless
+    that is taken), then writes the graph's code, one line per node, each followed by the names of the
+    values whose last use it is (``;  a = b = None``). This does the same on the joint graph's nodes, naming them with fx's own
     namespace in the same order, for the nodes memplan's graphs hold: placeholders, ``get_attr``,
     ``call_module`` and ``call_function`` of an aten operator or of a Python operator fx writes as an
     expression (``x[0]``), over arguments of plain types. Anything else raises :class:`_Unsupported`.

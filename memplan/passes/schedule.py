@@ -225,9 +225,7 @@ class ScheduleProblem:
         shared = self._shared
         if self.n == 0:
             return 0
-        order = np.asarray(order, dtype=np.int64)
-        position = np.empty(self.n, dtype=np.int64)
-        position[order] = np.arange(self.n, dtype=np.int64)
+        order, position = _positions(order)
         dies = position[shared.creator]
         np.maximum.at(dies, shared.toucher_storage, position[shared.toucher])
         freed_at = np.zeros(self.n, dtype=np.int64)
@@ -242,9 +240,7 @@ class ScheduleProblem:
         shared = self._shared
         if sorted(order) != list(range(self.n)):
             return False
-        order = np.asarray(order, dtype=np.int64)
-        position = np.empty(self.n, dtype=np.int64)
-        position[order] = np.arange(self.n, dtype=np.int64)
+        order, position = _positions(order)
         if np.any(position[shared.edge_from] > position[shared.edge_to]):
             return False
         # no forward node after a backward one: the phase flags never step down along the order
@@ -328,6 +324,14 @@ class ScheduleProblem:
         if len(order) != n:  # pragma: no cover - a cycle would be a bug in stage 1
             raise AssertionError("the dependency graph of the schedule has a cycle")
         return order
+
+
+def _positions(order: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """``order`` as an array, and each node's position in it (its inverse permutation)."""
+    order = np.asarray(order, dtype=np.int64)
+    position = np.empty(len(order), dtype=np.int64)
+    position[order] = np.arange(len(order), dtype=np.int64)
+    return order, position
 
 
 class _Shared:
