@@ -39,13 +39,25 @@ def _only_views(target: Any, schema: Any) -> bool:
     return views
 
 
+# The arguments each target writes, by ``id(target)`` (an OpOverload hashes in Python, a dict keyed by
+# its id does not); the target is kept beside them so its id cannot be reused.
+_WRITTEN_BY_ID: dict[int, tuple[Any, tuple[tuple[int, str], ...]]] = {}
+
+
 def mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The argument nodes an op writes into, from its schema (``add_``'s ``self``, an ``out=``)."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
+    target = node.target
+    if isinstance(target, str):
+        return []  # a placeholder, attribute or method name: no schema
+    known = _WRITTEN_BY_ID.get(id(target))
+    if known is None or known[0] is not target:
+        schema = getattr(target, "_schema", None)
+        known = _WRITTEN_BY_ID[id(target)] = (target, () if schema is None else _written_arguments(target, schema))
+    written = known[1]
+    if not written:
         return []
     mutated = []
-    for i, name in _written_arguments(node.target, schema):
+    for i, name in written:
         value = node.args[i] if i < len(node.args) else node.kwargs.get(name)
         if isinstance(value, torch.fx.Node):
             mutated.append(value)
@@ -62,10 +74,9 @@ def is_pure_view(node: torch.fx.Node) -> bool:
     >>> [is_pure_view(g.call_function(op, (x, 0))) for op in (torch.ops.aten.select.int, torch.ops.aten.add.Tensor)]
     [True, False]
     """
-    schema = getattr(node.target, "_schema", None)
-    if node.op != "call_function" or schema is None:
+    if node.op != "call_function":
         return False
-    return _only_views(node.target, schema)
+    return is_view_op(node.target)
 
 
 def is_view_op(target: Any) -> bool:
@@ -76,5 +87,14 @@ def is_view_op(target: Any) -> bool:
     >>> is_view_op(torch.ops.aten.t.default), is_view_op(torch.ops.aten.exp.default), is_view_op(len)
     (True, False, False)
     """
-    schema = getattr(target, "_schema", None)
-    return schema is not None and _only_views(target, schema)
+    known = _VIEWS_BY_ID.get(id(target))
+    if known is None or known[0] is not target:
+        schema = getattr(target, "_schema", None)
+        known = (target, schema is not None and _only_views(target, schema))
+        if not isinstance(target, str):
+            _VIEWS_BY_ID[id(target)] = known
+    return known[1]
+
+
+# Whether each target only makes views, by ``id(target)`` (see ``_WRITTEN_BY_ID``).
+_VIEWS_BY_ID: dict[int, tuple[Any, bool]] = {}

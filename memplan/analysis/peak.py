@@ -15,8 +15,10 @@ simulated peak of an eagerly-run graph should agree with :func:`memplan.measure`
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from memplan.analysis.liveness import Liveness
@@ -58,52 +60,84 @@ def live_steps(tensors: Tensors, liveness: Liveness) -> tuple[dict[int, int], di
 
 @dataclasses.dataclass(frozen=True)
 class PeakSimulation(Analysis):
-    """The simulated timeline and its peak."""
+    """The simulated timeline and its peak.
+
+    ``peak``, ``peak_index`` and ``after`` come from running sums over the positions (the pipeline asks
+    for them after every pass); the per-node ``timeline`` and ``live_at_peak`` are built when first read.
+    """
 
     name = "peak"
-    timeline: tuple[SimEvent, ...]
     peak: int
     peak_index: int  # -1 when nothing is allocated
-    live_at_peak: tuple[int, ...]  # storage ids, largest first then by id
     after: int  # bytes still live at the end (outputs, gradients)
+    graph: CapturedGraph = dataclasses.field(repr=False, compare=False)
+    tensors: Tensors = dataclasses.field(repr=False, compare=False)
+    liveness: Liveness = dataclasses.field(repr=False, compare=False)
+    born: np.ndarray = dataclasses.field(repr=False, compare=False)  # bytes allocated at each position
+    dies: np.ndarray = dataclasses.field(repr=False, compare=False)  # bytes freed after each position
 
     @classmethod
     def compute(cls, graph: CapturedGraph, am: AnalysisManager) -> "PeakSimulation":
         tensors = am.get(Tensors)
         liveness = am.get(Liveness)
-        born, dies = live_steps(tensors, liveness)
-        by_name = {n.name: n for n in graph.gm.graph.nodes}
-        op_names: dict[int, str] = {}  # id of a target -> its name (an operator's str() costs microseconds)
-        live_bytes = 0
+        end = liveness.end
+        starts, ends, sizes = [], [], []
+        intervals = liveness.intervals
+        for sid, storage in tensors.storages.items():
+            if storage.external:
+                continue
+            interval = intervals[sid]
+            starts.append(interval.start)
+            ends.append(interval.end)
+            sizes.append(storage.nbytes)
+        starts_a = np.array(starts, dtype=np.int64)
+        ends_a = np.array(ends, dtype=np.int64)
+        sizes_a = np.array(sizes, dtype=np.int64)
+        born = np.zeros(end, dtype=np.int64)
+        np.add.at(born, starts_a, sizes_a)
+        dies = np.zeros(end, dtype=np.int64)
+        dying = ends_a < end
+        np.add.at(dies, ends_a[dying], sizes_a[dying])
+        # Live bytes right after each node allocates: all born so far, less all freed before it.
+        live = np.cumsum(born)
+        live[1:] -= np.cumsum(dies)[:-1]
         peak, peak_index = 0, -1
+        if end:
+            top = int(np.argmax(live))
+            if live[top] > 0:
+                peak, peak_index = int(live[top]), top
+        after = int(born.sum() - dies.sum())
+        return cls(peak=peak, peak_index=peak_index, after=after, graph=graph, tensors=tensors,
+                   liveness=liveness, born=born, dies=dies)
+
+    @functools.cached_property
+    def timeline(self) -> tuple[SimEvent, ...]:
+        """One event per node of ``Liveness.order``."""
+        by_name = {n.name: n for n in self.graph.gm.graph.nodes}
+        op_names: dict[int, str] = {}  # id of a target -> its name (an operator's str() costs microseconds)
         events = []
-        for index, name in enumerate(liveness.order):
-            # Step 1: allocate what this node creates.
-            allocated = born.get(index, 0)
+        live_bytes = 0
+        for index, (name, allocated, freed) in enumerate(zip(self.liveness.order, self.born.tolist(), self.dies.tolist())):
             live_bytes += allocated
-            if live_bytes > peak:
-                peak, peak_index = live_bytes, index
-            # Step 2: free what dies here.
-            freed = dies.get(index, 0)
             target = by_name[name].target
             op = op_names.get(id(target))
             if op is None:
                 op = op_names[id(target)] = str(target)
             events.append(SimEvent(index, name, op, allocated, freed, live_bytes))
             live_bytes -= freed
-        # The storages live at the peak: born at or before it, dying at or after it.
-        live_at_peak = tuple(
-            sorted(
-                (
-                    sid
-                    for sid, storage in tensors.storages.items()
-                    if not storage.external
-                    and liveness.intervals[sid].start <= peak_index <= liveness.intervals[sid].end
-                ),
-                key=lambda s: (-tensors.storages[s].nbytes, s),
-            )
-        ) if peak_index >= 0 else ()
-        return cls(timeline=tuple(events), peak=peak, peak_index=peak_index, live_at_peak=live_at_peak, after=live_bytes)
+        return tuple(events)
+
+    @functools.cached_property
+    def live_at_peak(self) -> tuple[int, ...]:
+        """Storage ids live at the peak (born at or before it, dying at or after it), largest first then by id."""
+        if self.peak_index < 0:
+            return ()
+        storages, intervals, at = self.tensors.storages, self.liveness.intervals, self.peak_index
+        return tuple(sorted(
+            (sid for sid, storage in storages.items()
+             if not storage.external and intervals[sid].start <= at <= intervals[sid].end),
+            key=lambda s: (-storages[s].nbytes, s),
+        ))
 
 
 def step_margin(graph: CapturedGraph) -> int:

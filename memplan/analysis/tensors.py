@@ -36,9 +36,11 @@ class TensorInfo(NamedTuple):
     storage: int
 
 
-@dataclasses.dataclass(frozen=True)
-class StorageInfo:
-    """One storage: its size, who created it, and every node that aliases it (graph order)."""
+class StorageInfo(NamedTuple):
+    """One storage: its size, who created it, and every node that aliases it (graph order).
+
+    A named tuple, as :class:`TensorInfo`: one per storage, made at every change of the graph.
+    """
 
     id: int
     nbytes: int
