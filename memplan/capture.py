@@ -738,6 +738,35 @@ def _capture_error(model: Any, exc: BaseException) -> CaptureError:
     )
 
 
+def _drop_detaches(gm: torch.fx.GraphModule) -> dict[str, str]:
+    """Remove the ``detach`` nodes the graph's code does not return, reading their inputs instead.
+
+    Autograd detaches every output it saves for the backward, and again when the backward unpacks it
+    (a seventh of an unrolled RNN's nodes). In the captured graph the gradient flow is explicit and the
+    emitted code runs without autograd, so a ``detach`` is an alias with nothing to do: same storage,
+    same layout, same values. Dropping them makes every analysis and pass walk fewer nodes. Returns,
+    for each dropped node, the op before it that stays (what happened "after" the dropped one happened
+    after that one); a ``detach`` before the first op stays.
+    """
+    dropped: dict[str, str] = {}
+    graph = gm.graph
+    kept = None
+    for node in list(graph.nodes):
+        source = node.args[0] if node.target is torch.ops.aten.detach.default and node.args else None
+        if (
+            node.op == "call_function"
+            and isinstance(source, torch.fx.Node)
+            and kept is not None
+            and all(user.op != "output" for user in node.users)
+        ):
+            node.replace_all_uses_with(source)
+            graph.erase_node(node)
+            dropped[node.name] = kept
+        elif node.op == "call_function":
+            kept = node.name
+    return dropped
+
+
 def _rename_placeholders(
     gm: torch.fx.GraphModule, placeholders: list[torch.fx.Node], kinds: list[str], paths: list[str]
 ) -> None:
@@ -774,6 +803,9 @@ def _build_captured(
     differentiable: Sequence[bool],
     recorded_sources: Mapping[str, SourceLine],
 ) -> CapturedGraph:
+    dropped = _drop_detaches(gm)
+    boundary = dropped.get(boundary, boundary) if boundary is not None else None
+    released = {key: dropped.get(name, name) for key, name in released.items()}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     kinds = ["parameter"] * len(param_names) + ["buffer"] * len(buffer_names) + ["input"] * n_user
     paths = list(param_names) + list(buffer_names) + list(leaf_paths)
