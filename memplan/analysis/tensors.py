@@ -59,6 +59,26 @@ def tensor_values(node: torch.fx.Node) -> list[tuple[int | None, torch.Tensor]]:
     return []
 
 
+_FACTS = "memplan_tensor_facts"  # node.meta key: (value, its facts), see Tensors.compute
+
+
+def _facts(value: Any) -> tuple:
+    """``(index, shape, dtype, device, bytes of the view, storage key, storage bytes)`` of each tensor
+    of a node's value (``index`` None for a single tensor)."""
+    if isinstance(value, torch.Tensor):
+        values: Any = ((None, value),)
+    elif isinstance(value, (tuple, list)):
+        values = [(i, v) for i, v in enumerate(value) if isinstance(v, torch.Tensor)]
+    else:
+        return ()
+    facts = []
+    for index, tensor in values:
+        storage = tensor.untyped_storage()
+        facts.append((index, tuple(tensor.shape), tensor.dtype, tensor.device, tensor.nbytes, storage._cdata,
+                      int(storage.nbytes())))
+    return tuple(facts)
+
+
 @dataclasses.dataclass(frozen=True)
 class Tensors(Analysis):
     """Per-node tensor facts and per-storage alias groups."""
@@ -77,25 +97,25 @@ class Tensors(Analysis):
         external: dict[int, bool] = {}
         members: dict[int, list[str]] = {}
         tensors: dict[str, tuple[TensorInfo, ...]] = {}
-        Tensor = torch.Tensor
         for node in graph.gm.graph.nodes:
-            value = node.meta.get("val")
-            if isinstance(value, Tensor):
-                values: Any = ((None, value),)
-            elif isinstance(value, (tuple, list)):
-                values = [(i, v) for i, v in enumerate(value) if isinstance(v, Tensor)]
-                if not values:
-                    continue
-            else:
+            meta = node.meta
+            value = meta.get("val")
+            if value is None:
+                continue
+            # What the fake values say, read once per value: node copies share their meta's values,
+            # so the facts of a value carry over to every later graph that keeps it.
+            cached = meta.get(_FACTS)
+            if cached is None or cached[0] is not value:
+                cached = meta[_FACTS] = (value, _facts(value))
+            facts = cached[1]
+            if not facts:
                 continue
             name = node.name
             infos = []
-            for index, value in values:
-                storage = value.untyped_storage()
-                nbytes = int(storage.nbytes())
-                sid = ids.get(storage._cdata)
+            for index, shape, dtype, device, view_bytes, key, nbytes in facts:
+                sid = ids.get(key)
                 if sid is None:
-                    sid = ids[storage._cdata] = len(ids)
+                    sid = ids[key] = len(ids)
                     creators[sid] = name
                     external[sid] = node.op in ("placeholder", "get_attr")
                     sizes[sid] = nbytes
@@ -107,10 +127,7 @@ class Tensors(Analysis):
                     named = members[sid]
                     if named[-1] != name:
                         named.append(name)
-                infos.append(
-                    TensorInfo(name, index, tuple(value.shape), value.dtype, value.device,
-                               value.nbytes, sid)
-                )
+                infos.append(TensorInfo(name, index, shape, dtype, device, view_bytes, sid))
             tensors[name] = tuple(infos)
         storages = {
             sid: StorageInfo(sid, sizes[sid], creators[sid], external[sid], tuple(members[sid])) for sid in sizes
