@@ -9,9 +9,10 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from memplan._capture.tracer import Tracer, new_fake_mode
+from memplan.api import optimize
 from memplan.capture import Phase, capture
 from memplan.errors import CaptureError, UnsupportedInputError
-from memplan.testing import random_model, zoo
+from memplan.testing import assert_equivalent, random_model, zoo
 
 
 class TwoLayer(nn.Module):
@@ -319,3 +320,21 @@ def test_a_compiled_model_is_refused_as_under_make_fx():
     # dynamo does not run inside the trace (the tracer's dispatch relies on it)
     with pytest.raises(CaptureError, match="dynamo-optimized"):
         capture(torch.compile(nn.Linear(3, 2)), torch.randn(4, 3))
+
+
+def test_detaches_of_saved_tensors_are_dropped_and_returned_ones_kept():
+    def f(x):
+        y = torch.tanh(x)  # autograd saves tanh's output: a detach when saved, another when unpacked
+        return (y * y).exp(), y.detach()  # exp saves its output too, and is the last forward op
+
+    x = torch.randn(6, requires_grad=True)
+    cg = capture(f, x, seed="tangents")
+    detaches = [n for n in cg.gm.graph.nodes if n.target is torch.ops.aten.detach.default]
+    output = next(n for n in cg.gm.graph.nodes if n.op == "output")
+    assert detaches and all(output in n.users for n in detaches)  # only the returned one is left
+    # exp's detach was the last forward node: the backward still starts after it
+    phases = {n.name: cg.phases[n.name] for n in cg.gm.graph.nodes if n.op == "call_function"}
+    assert phases["exp"] is Phase.FORWARD
+    assert [p for p in phases.values()] == sorted(phases.values(), key=lambda p: p is Phase.BACKWARD)
+    assert any(p is Phase.BACKWARD for p in phases.values())
+    assert_equivalent(f, optimize(f), x)
