@@ -126,6 +126,7 @@ from memplan.passes._chunk.graphs import (
 )
 from memplan.passes._chunk.loops import (
     AGAIN,
+    original_name,
     BodyModel,
     rematerialise_cheap,
     ChunkLoop,
@@ -874,7 +875,7 @@ def _make_loops(
     body_states.update({f"{node.name}_in": state for node, state in inputs})
 
     def scales(name: str, index: int | None) -> bool:
-        state = body_states.get(name.removesuffix(AGAIN), REP)
+        state = body_states.get(original_name(name), REP)
         if isinstance(state, tuple):
             state = state[index] if index is not None and index < len(state) else REP
         return isinstance(state, Split)

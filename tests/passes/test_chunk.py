@@ -248,7 +248,8 @@ def test_golden_loop_for_pairwise_l1():
     assert ops == ["unsqueeze", "loop", "getitem"]  # x broadcast once; one loop; its output
     (loop,) = [m for m in new.gm.modules() if isinstance(m, ChunkLoop)]
     body = [packet_name(n) for n in loop.bodies["2"].graph.nodes if n.op == "call_function"]
-    assert body == ["unsqueeze", "sub", "abs", "mul", "sum", "amin"]
+    # abs and mul write into the sub's buffer, which nothing reads after them
+    assert body == ["unsqueeze", "sub", "abs_", "mul_", "sum", "amin"]
     assert [o.kind for o in loop.spec.outputs] == ["min"]
 
 
@@ -475,3 +476,42 @@ def test_maxsim_gradient_is_not_copied_into_its_layout_and_the_ruler_agrees():
     measured = measure(step).peak
     assert measured * 20 < measure(step_fn(w.model, w.inputs, train=True)).peak
     assert abs(measured - opt.plan.planned_peak) <= 0.05 * opt.plan.planned_peak
+
+
+@pytest.mark.parametrize("name,model,inputs", HAND, ids=[h[0] for h in HAND])
+def test_bodies_write_in_place_only_into_values_they_made(name, model, inputs):
+    """(d) The inplace pass runs on every body: its ops write into values the chunk made and nothing
+    reads later, never into a loop input (a slice of a tensor other chunks still read)."""
+    from memplan.graphutil import mutated_args
+    from memplan.passes._chunk.graphs import ALIAS_OPS
+
+    opt = memplan.optimize(model, passes="chunk", **FORCE)
+    assert_equivalent(model, opt, *inputs, **TOL)
+    for module in opt.plan.graph.gm.modules():
+        if not isinstance(module, ChunkLoop):
+            continue
+        for body in module.bodies.values():
+            for node in body.graph.nodes:
+                for target in mutated_args(node) if node.op == "call_function" else ():
+                    while packet_name(target) in ALIAS_OPS:
+                        target = target.args[0]
+                    # a loop's own accumulator is the only input a body adds into
+                    assert target.op != "placeholder" or target.name.endswith("_acc"), node.format_node()
+
+
+def test_body_negates_the_sum_not_the_gradient_and_folds_it_into_a_subtraction():
+    from memplan.passes._chunk.graphs import fake_mode_of
+    from memplan.passes._chunk.loops import sink_negations
+
+    def f(a, g):
+        # the gradient of m in x - m (m broadcast over dim 1), added to another contribution
+        return (a + (-g).sum(1, keepdim=True), (-g).sum(0) * 2)
+
+    a, g = torch.randn(64, 1), torch.randn(64, 48)
+    gm = torch.fx.experimental.proxy_tensor.make_fx(f, tracing_mode="fake")(a, g)
+    reference = torch.fx.experimental.proxy_tensor.make_fx(f)(a, g)
+    assert sink_negations(gm.graph, fake_mode_of(gm.graph)) == 3  # two sums, one addition
+    gm.recompile()
+    assert [packet_name(n) for n in gm.graph.nodes if n.op == "call_function"] == ["sum", "sub", "sum", "neg", "mul"]
+    for got, want in zip(gm(a, g), reference(a, g)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)  # exact: a change of sign rounds symmetrically

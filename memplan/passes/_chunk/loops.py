@@ -28,8 +28,10 @@ from memplan.graphutil import is_random, mutated_args, packet_name
 from memplan.passes._chunk.cost import CostRates, OpWork, module_cost, op_work
 from memplan.passes._chunk.graphs import ALIAS_OPS, fake_call, graph_module
 from memplan.passes._chunk.rules import REP, Split, State, arg_of, norm_dim, shape_of
+from memplan.passes.inplace import apply_inplace, plan_inplace
 
-__all__ = ["AGAIN", "rematerialise_cheap", "LoopInput", "LoopOutput", "LoopSpec", "ChunkLoop", "BodyModel", "build_body", "body_graph", "body_peak"]
+__all__ = ["AGAIN", "NEGATED", "original_name", "sink_negations", "rematerialise_cheap", "LoopInput", "LoopOutput", "LoopSpec", "ChunkLoop", "BodyModel", "build_body", "body_graph", "body_peak",
+           "write_in_place"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -102,6 +104,62 @@ def _same_view(value: Any, origin: Any) -> bool:
 
 
 AGAIN = "_again"  # name suffix of a value a body computes again (same state as the original)
+NEGATED = "_negated"  # name suffix of the negation moved after a sum (same state as the sum)
+
+
+def original_name(name: str) -> str:
+    """The region node a body node stands for (its state is that node's state)."""
+    return name.removesuffix(AGAIN).removesuffix(NEGATED)
+
+
+def sink_negations(graph: torch.fx.Graph, mode) -> int:
+    """``sum(neg(x))`` -> ``neg(sum(x))`` when nothing else reads ``neg(x)``: the negation runs on the
+    reduced value instead of the whole one (autograd writes ``-grad.sum(dims)`` for the broadcast
+    operand of every subtraction as a ``neg`` of the full gradient, then a ``sum``). Then
+    ``add(a, neg(b))`` -> ``sub(a, b)`` when nothing else reads ``neg(b)``: no negation at all (the
+    gradient of ``x`` in ``x - m`` adds both contributions of ``m``).
+
+    Exact: rounding to nearest is symmetric under a change of sign, so each partial sum of the
+    negated values is the negation of the same partial sum, whatever the order of the additions, and
+    ``a + (-b)`` is ``a - b``. Returns how many ops were rewritten."""
+    done = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _SUMS or node.kwargs.get("dtype") is not None:
+            continue
+        neg = node.args[0]
+        if not isinstance(neg, torch.fx.Node) or neg.target is not torch.ops.aten.neg.default or len(neg.users) != 1:
+            continue
+        node.replace_input_with(neg, neg.args[0])
+        graph.erase_node(neg)
+        with graph.inserting_after(node):
+            negated = graph.call_function(torch.ops.aten.neg.default, (node,), name=f"{node.name}{NEGATED}")
+        node.replace_all_uses_with(negated, delete_user_cb=lambda user: user is not negated)
+        negated.meta["val"] = fake_call(negated.target, negated.args, {}, mode)
+        done += 1
+    for node in list(graph.nodes):
+        if node.target is not torch.ops.aten.add.Tensor or len(node.args) != 2 or node.kwargs:
+            continue
+        for i in (1, 0):
+            neg = node.args[i]
+            if isinstance(neg, torch.fx.Node) and neg.target is torch.ops.aten.neg.default and len(neg.users) == 1:
+                other = node.args[1 - i]
+                value = fake_call(torch.ops.aten.sub.Tensor, (other, neg.args[0]), {}, mode)
+                if not _same_meta(value, node.meta.get("val")):
+                    continue  # (a scalar operand, or another dtype: keep the op as it is)
+                node.target, node.args = torch.ops.aten.sub.Tensor, (other, neg.args[0])
+                node.meta["val"] = value
+                graph.erase_node(neg)
+                done += 1
+                break
+    return done
+
+
+def _same_meta(a: Any, b: Any) -> bool:
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            and (a.shape, a.dtype, a.stride()) == (b.shape, b.dtype, b.stride()))
+
+
+_SUMS = {torch.ops.aten.sum.dim_IntList, torch.ops.aten.sum.default}
 
 
 def _cheap_unary(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -258,12 +316,29 @@ def build_body(
             value = item
         results.append(value)
     graph.output(tuple(results))
+    sink_negations(graph, mode)
     rematerialise_cheap(graph, mode)
     for node in reversed(list(graph.nodes)):  # views that folded into others, or were replayed, are not read
         if node.op == "call_function" and not node.users and packet_name(node) in ALIAS_OPS:
             graph.erase_node(node)
     graph.set_codegen(_BoxedCodeGen())
-    return graph_module(torch.nn.Module(), graph, "ChunkBody", compile)
+    body = graph_module(torch.nn.Module(), graph, "ChunkBody", compile)
+    write_in_place(body)
+    return body
+
+
+def write_in_place(body: torch.fx.GraphModule) -> int:
+    """Let the pointwise ops of a loop body write into inputs that die with them (the ``inplace`` pass,
+    run on the body: the passes after ``chunk`` see a loop as one node, never its body).
+
+    The body's placeholders are slices of the loop's inputs or its accumulators: external storages,
+    which the pass never writes. Returns how many ops now write in place.
+    """
+    graph = body_graph(body)
+    plan = plan_inplace(graph, AnalysisManager(graph))
+    if plan.rewrites:
+        apply_inplace(graph, plan)
+    return len(plan.rewrites)
 
 
 @dataclasses.dataclass(frozen=True)
