@@ -1134,7 +1134,8 @@ class ChunkOptions:
         Try that only for a loop whose chunk needs at least this fraction of the peak (otherwise
         chunking its body cannot lower the peak much).
     rates : CostRates
-        The cost model behind the overhead estimate.
+        The cost model behind the overhead estimate, priced for ``rates.threads`` intra-op threads
+        (one by default; None: torch's thread count when the pass runs).
     """
 
     counts: tuple[int, ...] = (2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
@@ -1153,7 +1154,8 @@ class ChunkOptions:
     def from_options(cls, options: Mapping[str, Any]) -> "ChunkOptions":
         fields = {f.name for f in dataclasses.fields(cls)}
         picked = {k[len("chunk."):]: v for k, v in options.items() if k.startswith("chunk.") and k[len("chunk."):] in fields}
-        return cls(**picked)
+        options = cls(**picked)
+        return dataclasses.replace(options, rates=options.rates.resolved())
 
 
 _TRIAL_STEPS = 4  # rule evaluations in one trial of _inverse: each may ask one more operand sliced
@@ -1383,10 +1385,12 @@ def _overhead_bound(graph: CapturedGraph, region: ChunkRegion, rates: CostRates,
     Every op of a loop body that computes runs once per chunk, so it pays ``chunks`` dispatches where
     the untouched graph paid one; the chunks together move at least the op's bytes, possibly from
     cache (the only saving chunking can bring, counted in full); views may be folded away; recomputed
-    forward ops run once more on top, at cache speed; each chunk of each loop costs ``chunk_seconds``. More chunks only add dispatches, so
+    forward ops run once more on top, at cache speed on every thread; each chunk of each loop costs
+    ``chunk_seconds``. More chunks only add dispatches, so
     the bound for the fewest chunks holds for every candidate of the region, nested ones included.
     """
     node_of = graph.node  # the graph's name table
+    threads = rates.thread_count
     extra = chunks * rates.chunk_seconds * (2 if region.backward else 1)
     for name in [n for n, _ in region.forward] + [n for n, _ in region.backward]:
         work = op_work(node_of(name))
@@ -1396,6 +1400,7 @@ def _overhead_bound(graph: CapturedGraph, region: ChunkRegion, rates: CostRates,
             extra -= rates.view_dispatch  # a body may fold views away (see build_body)
             continue
         extra += (chunks - 1) * rates.dispatch
+        extra -= rates.fork * (threads - 1)  # the threads the original op started, a chunk may not
         traffic = work.fixed_bytes + work.scaled_bytes
         if traffic > rates.cache_bytes:
             extra -= traffic / rates.bandwidth - traffic / rates.cache_bandwidth
@@ -1404,7 +1409,7 @@ def _overhead_bound(graph: CapturedGraph, region: ChunkRegion, rates: CostRates,
         if work.none or work.view:
             continue
         traffic = work.fixed_bytes + work.scaled_bytes
-        extra += chunks * rates.dispatch + work.flops / rates.flops + traffic / rates.cache_bandwidth
+        extra += chunks * rates.dispatch + (work.flops / rates.flops + traffic / rates.cache_bandwidth) / threads
     return extra
 
 

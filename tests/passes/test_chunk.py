@@ -515,3 +515,34 @@ def test_body_negates_the_sum_not_the_gradient_and_folds_it_into_a_subtraction()
     assert [packet_name(n) for n in gm.graph.nodes if n.op == "call_function"] == ["sum", "sub", "sum", "neg", "mul"]
     for got, want in zip(gm(a, g), reference(a, g)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)  # exact: a change of sign rounds symmetrically
+
+
+def test_more_threads_speed_up_whole_ops_only_above_the_grain():
+    from memplan.passes._chunk.cost import OpWork
+
+    big = OpWork(fixed_bytes=8 * 2**20, elements=2**20)
+    small = OpWork(fixed_bytes=8 * 2**14, elements=2**14)  # below the grain: one thread
+    one, two = CostRates(threads=1), CostRates(threads=2)
+    assert two.ways(2**20) == 2 and two.ways(2**14) == 1 and one.ways(2**20) == 1
+    assert big.price(two) < 0.6 * big.price(one)
+    assert small.price(two) == small.price(one)
+    # a chunk 1/64 of the op's length is below the grain again: a second thread does not help it
+    chunked = OpWork(scaled_bytes=8 * 2**20, elements=2**20, elements_scale=True)
+    assert chunked.price(two) < 0.6 * chunked.price(one)
+    assert chunked.price(two, 1 / 64) == chunked.price(one, 1 / 64)
+
+
+def test_chunking_costs_more_at_two_threads_and_the_default_prices_one():
+    """The original graph's whole-batch ops use both threads, a chunk's small ops fewer: the same chunked
+    graph is priced further above the original at two threads. The default prices one thread, so plans
+    do not depend on the machine's cores."""
+    from memplan.passes._chunk.cost import graph_cost
+
+    assert CostRates().threads == 1
+    w = examples.make("chain_product")
+    graph = dataclasses.replace(capture(w.model, *w.inputs, train=True), lifetimes="graph")
+    plan = plan_chunk(graph, Policy(**FORCE), {"chunk.counts": (16,)})
+    assert plan.regions and plan.regions[0].chunks == 16
+    new = apply_chunk(graph, plan)
+    overhead = {t: graph_cost(new, CostRates(threads=t)) / graph_cost(graph, CostRates(threads=t)) - 1 for t in (1, 2)}
+    assert overhead[2] > overhead[1] + 0.1
