@@ -14,34 +14,23 @@ __all__ = ["mutated_args", "is_pure_view", "is_view_op"]
 
 
 # Passes ask these of every node again and again (hundreds of thousands of times on an unrolled loop),
-# so each operator's schema is read once. Keyed by the operator: schemas with list defaults are unhashable.
-_WRITTEN: dict[Any, tuple[tuple[int, str], ...]] = {}
-_VIEWS: dict[Any, bool] = {}
+# so each operator's schema is read once. Keyed by ``id(target)``: an OpOverload hashes in Python (and
+# schemas with list defaults are unhashable), a dict keyed by its id does not; the target is kept
+# beside its facts so its id cannot be reused.
+_WRITTEN: dict[int, tuple[Any, tuple[tuple[int, str], ...]]] = {}
+_VIEWS: dict[int, tuple[Any, bool]] = {}
 
 
-def _written_arguments(target: Any, schema: Any) -> tuple[tuple[int, str], ...]:
-    """``(position, name)`` of the arguments an operator writes into."""
-    written = _WRITTEN.get(target)
-    if written is None:
-        written = tuple((i, arg.name) for i, arg in enumerate(schema.arguments)
+def _written_arguments(target: Any) -> tuple[tuple[int, str], ...]:
+    """``(position, name)`` of the arguments an operator writes into (none for a target without a schema)."""
+    known = _WRITTEN.get(id(target))
+    if known is None or known[0] is not target:
+        schema = getattr(target, "_schema", None)
+        arguments = () if schema is None else schema.arguments
+        written = tuple((i, arg.name) for i, arg in enumerate(arguments)
                         if arg.alias_info is not None and arg.alias_info.is_write)
-        _WRITTEN[target] = written
-    return written
-
-
-def _only_views(target: Any, schema: Any) -> bool:
-    """Whether every return of an operator aliases an argument it does not write (a pure view)."""
-    views = _VIEWS.get(target)
-    if views is None:
-        views = bool(schema.returns) and not _written_arguments(target, schema) and all(
-            r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
-        _VIEWS[target] = views
-    return views
-
-
-# The arguments each target writes, by ``id(target)`` (an OpOverload hashes in Python, a dict keyed by
-# its id does not); the target is kept beside them so its id cannot be reused.
-_WRITTEN_BY_ID: dict[int, tuple[Any, tuple[tuple[int, str], ...]]] = {}
+        known = _WRITTEN[id(target)] = (target, written)
+    return known[1]
 
 
 def mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -49,11 +38,7 @@ def mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
     target = node.target
     if isinstance(target, str):
         return []  # a placeholder, attribute or method name: no schema
-    known = _WRITTEN_BY_ID.get(id(target))
-    if known is None or known[0] is not target:
-        schema = getattr(target, "_schema", None)
-        known = _WRITTEN_BY_ID[id(target)] = (target, () if schema is None else _written_arguments(target, schema))
-    written = known[1]
+    written = _written_arguments(target)
     if not written:
         return []
     mutated = []
@@ -87,14 +72,12 @@ def is_view_op(target: Any) -> bool:
     >>> is_view_op(torch.ops.aten.t.default), is_view_op(torch.ops.aten.exp.default), is_view_op(len)
     (True, False, False)
     """
-    known = _VIEWS_BY_ID.get(id(target))
+    if isinstance(target, str):
+        return False  # a placeholder, attribute or method name: no schema
+    known = _VIEWS.get(id(target))
     if known is None or known[0] is not target:
         schema = getattr(target, "_schema", None)
-        known = (target, schema is not None and _only_views(target, schema))
-        if not isinstance(target, str):
-            _VIEWS_BY_ID[id(target)] = known
+        views = schema is not None and bool(schema.returns) and not _written_arguments(target) and all(
+            r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+        known = _VIEWS[id(target)] = (target, views)
     return known[1]
-
-
-# Whether each target only makes views, by ``id(target)`` (see ``_WRITTEN_BY_ID``).
-_VIEWS_BY_ID: dict[int, tuple[Any, bool]] = {}

@@ -81,23 +81,8 @@ class PeakSimulation(Analysis):
         tensors = am.get(Tensors)
         liveness = am.get(Liveness)
         end = liveness.end
-        starts, ends, sizes = [], [], []
-        intervals = liveness.intervals
-        for sid, storage in tensors.storages.items():
-            if storage.external:
-                continue
-            interval = intervals[sid]
-            starts.append(interval.start)
-            ends.append(interval.end)
-            sizes.append(storage.nbytes)
-        starts_a = np.array(starts, dtype=np.int64)
-        ends_a = np.array(ends, dtype=np.int64)
-        sizes_a = np.array(sizes, dtype=np.int64)
-        born = np.zeros(end, dtype=np.int64)
-        np.add.at(born, starts_a, sizes_a)
-        dies = np.zeros(end, dtype=np.int64)
-        dying = ends_a < end
-        np.add.at(dies, ends_a[dying], sizes_a[dying])
+        born_at, dies_at = live_steps(tensors, liveness)
+        born, dies = _array(born_at, end), _array(dies_at, end)
         # Live bytes right after each node allocates: all born so far, less all freed before it.
         live = np.cumsum(born)
         live[1:] -= np.cumsum(dies)[:-1]
@@ -117,7 +102,8 @@ class PeakSimulation(Analysis):
         op_names: dict[int, str] = {}  # id of a target -> its name (an operator's str() costs microseconds)
         events = []
         live_bytes = 0
-        for index, (name, allocated, freed) in enumerate(zip(self.liveness.order, self.born.tolist(), self.dies.tolist())):
+        steps = zip(self.liveness.order, self.born.tolist(), self.dies.tolist())
+        for index, (name, allocated, freed) in enumerate(steps):
             live_bytes += allocated
             target = by_name[name].target
             op = op_names.get(id(target))
@@ -138,6 +124,13 @@ class PeakSimulation(Analysis):
              if not storage.external and intervals[sid].start <= at <= intervals[sid].end),
             key=lambda s: (-storages[s].nbytes, s),
         ))
+
+
+def _array(at: dict[int, int], length: int) -> np.ndarray:
+    """``at`` (position -> bytes) as an array of ``length`` positions."""
+    out = np.zeros(length, dtype=np.int64)
+    out[np.fromiter(at.keys(), np.int64, len(at))] = np.fromiter(at.values(), np.int64, len(at))
+    return out
 
 
 def step_margin(graph: CapturedGraph) -> int:

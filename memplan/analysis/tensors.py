@@ -51,7 +51,10 @@ class StorageInfo(NamedTuple):
 
 def tensor_values(node: torch.fx.Node) -> list[tuple[int | None, torch.Tensor]]:
     """The tensors in a node's fake value, with their index (None for a single tensor)."""
-    value = node.meta.get("val")
+    return _tensors_in(node.meta.get("val"))
+
+
+def _tensors_in(value: Any) -> list[tuple[int | None, torch.Tensor]]:
     if isinstance(value, torch.Tensor):
         return [(None, value)]
     if isinstance(value, (tuple, list)):
@@ -65,14 +68,8 @@ _FACTS = "memplan_tensor_facts"  # node.meta key: (value, its facts), see Tensor
 def _facts(value: Any) -> tuple:
     """``(index, shape, dtype, device, bytes of the view, storage key, storage bytes)`` of each tensor
     of a node's value (``index`` None for a single tensor)."""
-    if isinstance(value, torch.Tensor):
-        values: Any = ((None, value),)
-    elif isinstance(value, (tuple, list)):
-        values = [(i, v) for i, v in enumerate(value) if isinstance(v, torch.Tensor)]
-    else:
-        return ()
     facts = []
-    for index, tensor in values:
+    for index, tensor in _tensors_in(value):
         storage = tensor.untyped_storage()
         facts.append((index, tuple(tensor.shape), tensor.dtype, tensor.device, tensor.nbytes, storage._cdata,
                       int(storage.nbytes())))
