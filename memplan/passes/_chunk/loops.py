@@ -30,8 +30,10 @@ from memplan.passes._chunk.graphs import ALIAS_OPS, fake_call, graph_module
 from memplan.passes._chunk.rules import REP, Split, State, arg_of, norm_dim, shape_of
 from memplan.passes.inplace import apply_inplace, plan_inplace
 
-__all__ = ["AGAIN", "NEGATED", "original_name", "sink_negations", "rematerialise_cheap", "LoopInput", "LoopOutput", "LoopSpec", "ChunkLoop", "BodyModel", "build_body", "body_graph", "body_peak",
-           "write_in_place"]
+__all__ = [
+    "AGAIN", "NEGATED", "original_name", "sink_negations", "rematerialise_cheap", "write_in_place", "LoopInput",
+    "LoopOutput", "LoopSpec", "ChunkLoop", "BodyModel", "build_body", "body_graph", "body_peak",
+]
 
 
 # ----------------------------------------------------------------------------------------------
