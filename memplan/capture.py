@@ -60,7 +60,7 @@ from torch.fx.experimental.proxy_tensor import disable_autocast_cache
 
 from memplan._capture.tracer import Tracer, new_fake_mode
 from memplan.errors import CaptureError, UnsupportedInputError
-from memplan.opschema import mutated_args
+from memplan.opschema import is_view_op, mutated_args
 
 __all__ = [
     "Phase",
@@ -738,32 +738,58 @@ def _capture_error(model: Any, exc: BaseException) -> CaptureError:
     )
 
 
-def _drop_detaches(gm: torch.fx.GraphModule) -> dict[str, str]:
-    """Remove the ``detach`` nodes the graph's code does not return, reading their inputs instead.
+def _drop_aliases(gm: torch.fx.GraphModule, boundary: str | None) -> dict[str, str]:
+    """Remove alias nodes that do nothing in the captured graph, their readers reading what they alias.
 
-    Autograd detaches every output it saves for the backward, and again when the backward unpacks it
-    (a seventh of an unrolled RNN's nodes). In the captured graph the gradient flow is explicit and the
-    emitted code runs without autograd, so a ``detach`` is an alias with nothing to do: same storage,
-    same layout, same values. Dropping them makes every analysis and pass walk fewer nodes. Returns,
-    for each dropped node, the op before it that stays (what happened "after" the dropped one happened
-    after that one); a ``detach`` before the first op stays.
+    - ``detach`` nodes the graph does not return. Autograd detaches every output it saves for the
+      backward, and again when the backward unpacks it (a seventh of an unrolled RNN's nodes). In the
+      captured graph the gradient flow is explicit and the emitted code runs without autograd, so a
+      ``detach`` is an alias with nothing to do: same storage, same layout, same values.
+    - A view of a graph input taken again in the same phase (``t(W)`` of a weight at every step of an
+      unrolled loop's backward) reads the first one: a view of a storage nothing writes is the same
+      value wherever it is taken. Inputs an op writes (through any alias) keep their views.
+
+    Every later analysis and pass then walks fewer nodes. ``boundary``: the last forward node (None:
+    no backward). Returns, for each dropped node, the op before it that stays (what happened "after"
+    the dropped one happened after that one); an alias before the first op stays.
     """
-    dropped: dict[str, str] = {}
     graph = gm.graph
+    written: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        for target in mutated_args(node):
+            while target.op == "call_function" and target.args and isinstance(target.args[0], torch.fx.Node):
+                target = target.args[0]  # the written value's base (a view of a view of an input)
+            written.add(target)
+    dropped: dict[str, str] = {}
+    views: dict[tuple, torch.fx.Node] = {}
     kept = None
+    backward = False
     for node in list(graph.nodes):
-        source = node.args[0] if node.target is torch.ops.aten.detach.default and node.args else None
-        if (
-            node.op == "call_function"
-            and isinstance(source, torch.fx.Node)
-            and kept is not None
-            and all(user.op != "output" for user in node.users)
-        ):
-            node.replace_all_uses_with(source)
+        name = node.name
+        source = node.args[0] if node.op == "call_function" and node.args else None
+        replacement = None
+        if isinstance(source, torch.fx.Node) and kept is not None:
+            if node.target is torch.ops.aten.detach.default:
+                if all(user.op != "output" for user in node.users):
+                    replacement = source
+            elif (
+                source.op == "placeholder"
+                and source not in written
+                and not node.kwargs
+                and all(isinstance(a, (int, bool, type(None))) for a in node.args[1:])
+                and is_view_op(node.target)
+            ):
+                replacement = views.setdefault((backward, node.target, source, tuple(node.args[1:])), node)
+                if replacement is node:
+                    replacement = None
+        if replacement is not None:
+            node.replace_all_uses_with(replacement)
             graph.erase_node(node)
-            dropped[node.name] = kept
+            dropped[name] = kept
         elif node.op == "call_function":
-            kept = node.name
+            kept = name
+        if name == boundary:
+            backward = True
     return dropped
 
 
@@ -803,7 +829,7 @@ def _build_captured(
     differentiable: Sequence[bool],
     recorded_sources: Mapping[str, SourceLine],
 ) -> CapturedGraph:
-    dropped = _drop_detaches(gm)
+    dropped = _drop_aliases(gm, boundary)
     boundary = dropped.get(boundary, boundary) if boundary is not None else None
     released = {key: dropped.get(name, name) for key, name in released.items()}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

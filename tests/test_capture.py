@@ -338,3 +338,30 @@ def test_detaches_of_saved_tensors_are_dropped_and_returned_ones_kept():
     assert [p for p in phases.values()] == sorted(phases.values(), key=lambda p: p is Phase.BACKWARD)
     assert any(p is Phase.BACKWARD for p in phases.values())
     assert_equivalent(f, optimize(f), x)
+
+
+def test_repeated_views_of_an_input_are_read_once_unless_the_input_is_written():
+    def loop(w, x):
+        for _ in range(3):
+            x = torch.tanh(x @ w)  # the backward of each step takes t(w)
+        return x
+
+    w, x = torch.randn(4, 4, requires_grad=True), torch.randn(2, 4, requires_grad=True)
+    cg = capture(loop, w, x, seed="tangents")
+    t_of_w = [n for n in cg.gm.graph.nodes if n.target is torch.ops.aten.t.default and n.args[0].name == "args_0"]
+    assert len(t_of_w) == 1 and cg.phases[t_of_w[0].name] is Phase.BACKWARD
+    assert_equivalent(loop, optimize(loop), w, x)
+
+    def written(buf, x):
+        first = x @ buf.t()
+        buf.mul_(2)  # an input an op writes keeps every view as taken
+        return first + x @ buf.t()
+
+    buf, y = torch.randn(4, 4), torch.randn(2, 4)
+
+    def args():
+        return buf.clone(), y
+
+    cg = capture(written, *args(), train=False)
+    assert sum(n.target is torch.ops.aten.t.default for n in cg.gm.graph.nodes) == 2
+    torch.testing.assert_close(optimize(written)(*args()), written(*args()), rtol=0, atol=0)
