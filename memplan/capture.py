@@ -742,7 +742,7 @@ def _drop_aliases(gm: torch.fx.GraphModule, boundary: str | None) -> dict[str, s
     """Remove alias nodes that do nothing in the captured graph, their readers reading what they alias.
 
     - ``detach`` nodes the graph does not return. Autograd detaches every output it saves for the
-      backward, and again when the backward unpacks it (a seventh of an unrolled RNN's nodes). In the
+      backward, and again when the backward unpacks it (8 of the 71 nodes of a latent-GRU step). In the
       captured graph the gradient flow is explicit and the emitted code runs without autograd, so a
       ``detach`` is an alias with nothing to do: same storage, same layout, same values.
     - A view of a graph input taken again in the same phase (``t(W)`` of a weight at every step of an
