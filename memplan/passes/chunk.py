@@ -770,7 +770,7 @@ def _output_spec(node: torch.fx.Node, state: State) -> LoopOutput:
     return LoopOutput("first", shape=shape, stride=stride, dtype=value.dtype)
 
 
-_SCATTER_ADDS = {"index_add_", "index_put_", "_index_put_impl_", "scatter_add_"}
+_SCATTER_ADDS = {"index_add_", "index_put_", "_index_put_impl_", "scatter_add_", "grouped_addmm_"}
 
 
 def _accumulation(output: torch.fx.Node, nodes: Sequence[torch.fx.Node], outputs: Sequence[torch.fx.Node]):

@@ -13,9 +13,11 @@ eager's (up to summation order):
     against ``W`` itself, so neither the forward nor the backward holds an expanded copy.
 (b) **Matmul followed by a max.** ``(a @ b).max(dim)`` over a row or column dimension of the product
     keeps the argmax indices (in the narrowest integer type that holds them) for the backward instead
-    of the product; the backward gathers the selected rows or columns of the other operand
-    (``index``) and scatters into the gradient (``index_add_``), never materialising the product or
-    its gradient (the max backward of eager scatters into a zero tensor of the product's size).
+    of the product; the backward adds the selected rows or columns of the other operand into each
+    gradient as one sparse-times-dense product (``memplan::grouped_addmm_``, see :mod:`memplan.ops`), whose
+    only temporaries are the selections' coordinates and values: it never materialises the product,
+    its gradient (the max backward of eager scatters into a zero tensor of the product's size) or the
+    gathered rows.
 
 Stages
 ------
@@ -78,6 +80,7 @@ from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation
 from memplan.capture import CapturedGraph, Phase, _tag_backward_with_seq_nr
 from memplan.graphutil import packet_name
+from memplan.ops import grouped_addmm_
 from memplan.passes._chunk.graphs import (
     copy_graph,
     fake_call,
@@ -504,7 +507,7 @@ class _MatmulMaxFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor, _grad_indices: torch.Tensor) -> tuple[Any, ...]:
         left, right, small = ctx.saved_tensors
         pattern: MatmulMax = ctx.spec.pattern
-        index = small.long()
+        index = small
         if pattern.keepdim:
             grad, index = grad.squeeze(pattern.dim), index.squeeze(pattern.dim)
         a, b = (right.transpose(-1, -2), left.transpose(-1, -2)) if pattern.rows else (left, right)
@@ -518,10 +521,19 @@ class _MatmulMaxFunction(torch.autograd.Function):
         return grad_a, grad_b, None
 
 
+_COORD_BLOCK = 256  # entries whose int64 coordinates the operator holds at once (4 KiB of workspace)
+
+
 def _gather_grads(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, index: torch.Tensor, pattern: MatmulMax):
     """Gradients of ``y = max over a factor of the columns of a @ b`` from the kept indices.
 
-    ``a`` is ``(Bt, R, K)``, ``b`` is ``(Bt, K, C)``; ``grad`` and ``index`` have the shape of ``y``.
+    ``a`` is ``(Bt, R, K)``, ``b`` is ``(Bt, K, C)``; ``grad`` and ``index`` (the narrow indices as
+    saved) have the shape of ``y``. Each element of ``y`` selected one entry of the product: row ``r``
+    of ``a`` against column ``c`` of ``b``. Its gradient adds ``grad * b[:, c]`` to row ``r`` of
+    ``grad_a`` and ``grad * a[r]`` to column ``c`` of ``grad_b``: two products of the same sparse
+    selection matrix (one entry per element of ``y``, grouped by row of ``a``) with a dense operand,
+    ``memplan::grouped_addmm_``, whose only temporaries are the entries' columns, values and
+    coordinates.
     """
     batch, rows_n, k = a.shape
     cols_n = b.shape[2]
@@ -539,36 +551,35 @@ def _gather_grads(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, index: t
                 total = term if total is None else total + term
         return total
 
-    # the column of b each kept index selects, flattened over the batch (terms that are zero or one are
-    # left out: each is one op less in every chunk of a loop that runs this backward)
-    flat = index if pattern.step == 1 else index * pattern.step
+    # entries in the order of a's rows (the kept dimensions, batch factors first, each by falling
+    # stride), the selections of one row together: entry e belongs to row e // (selections per row)
+    summed = [y for y, (d, _, _) in enumerate(ydims) if d not in (0, 1)]
+    kept = sorted((y for y in range(rank) if y not in summed), key=lambda y: (ydims[y][0], -ydims[y][1]))
+    order = kept + summed
+    per_row = math.prod(grad.shape[y] for y in summed)
+    # the column of b each kept index selects, flattened over the batch, in int32 where it fits (the
+    # operator's fast path, and half the bytes); the offsets, small, are summed first, then added to the
+    # narrow indices in one broadcast add that widens them; terms that are zero are left out (each is
+    # one op less in every chunk of a loop that runs this backward)
+    cols_dtype = torch.int32 if batch * cols_n < 2**31 else torch.int64
+    offsets = None
     for offset in (coordinate(0, cols_n), coordinate(2, 1)):
         if offset is not None:
-            flat = offset + flat
-    summed = [y for y, (d, _, _) in enumerate(ydims) if d not in (0, 1)]
-    kept = [y for y in range(rank) if y not in summed]
-    by_product = sorted(kept, key=lambda y: (ydims[y][0], -ydims[y][1]))
-    # grad of a: the selected columns of b, weighted, summed over the column factors; the weighted sum
-    # is a batched (1 x S) @ (S x k) product, so the gathered rows are the only temporary of their size
+            offsets = offset.to(cols_dtype) if offsets is None else offsets + offset.to(cols_dtype)
+    selected = index.to(cols_dtype) * pattern.step if pattern.step != 1 else index
+    cols = selected.to(cols_dtype) if offsets is None else offsets + selected
+    cols = cols.expand(grad.shape).permute(order).reshape(-1)
+    values = grad.permute(order).reshape(-1)
+    a_rows = a.reshape(batch * rows_n, k)
     b_rows = b.transpose(1, 2).reshape(batch * cols_n, k)
-    if summed:
-        order = kept + summed
-        n_kept = math.prod(grad.shape[y] for y in kept)
-        n_summed = math.prod(grad.shape[y] for y in summed)
-        gathered = b_rows[flat.expand(grad.shape).permute(order)].reshape(n_kept, n_summed, k)
-        weights = grad.permute(order).reshape(n_kept, 1, n_summed)
-        grad_a = torch.bmm(weights, gathered).view(*[grad.shape[y] for y in kept], k)
-    else:
-        grad_a = grad.unsqueeze(-1) * b_rows[flat]
-    grad_a = grad_a.permute(*[kept.index(y) for y in by_product], len(kept)).reshape(batch, rows_n, k)
-    # grad of b: rows of a, weighted, added into the selected columns
-    a_fac = a.reshape(*[ydims[y][2] for y in by_product], k).permute(*[by_product.index(y) for y in kept], len(kept))
-    for y in summed:
-        a_fac = a_fac.unsqueeze(y)
-    source = grad.unsqueeze(-1) * a_fac
-    grad_bt = torch.zeros(batch * cols_n, k, dtype=source.dtype, device=source.device)
-    grad_bt.index_add_(0, flat.reshape(-1), source.reshape(-1, k))
-    return grad_a, grad_bt.view(batch, cols_n, k).transpose(1, 2)
+    block = min(cols.shape[0], _COORD_BLOCK)
+    grad_a = torch.zeros(batch * rows_n, k, dtype=a.dtype, device=a.device)
+    workspace = torch.empty(2, block, dtype=torch.int64, device=a.device)
+    grad_a = grouped_addmm_(grad_a, cols, values.to(a.dtype), b_rows, per_row, False, workspace)
+    grad_bt = torch.zeros(batch * cols_n, k, dtype=b.dtype, device=b.device)
+    workspace = torch.empty(2, block, dtype=torch.int64, device=a.device)
+    grad_bt = grouped_addmm_(grad_bt, cols, values.to(b.dtype), a_rows, per_row, True, workspace)
+    return grad_a.view(batch, rows_n, k), grad_bt.view(batch, cols_n, k).transpose(1, 2)
 
 
 @dataclasses.dataclass(frozen=True)

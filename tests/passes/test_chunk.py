@@ -20,6 +20,7 @@ from memplan.measure import measure
 from memplan.passes._chunk.cost import CostRates
 from memplan.passes.chunk import (
     REP,
+    Barrier,
     ChunkLoop,
     Partial,
     Split,
@@ -546,3 +547,29 @@ def test_chunking_costs_more_at_two_threads_and_the_default_prices_one():
     new = apply_chunk(graph, plan)
     overhead = {t: graph_cost(new, CostRates(threads=t)) / graph_cost(graph, CostRates(threads=t)) - 1 for t in (1, 2)}
     assert overhead[2] > overhead[1] + 0.1
+
+
+def test_golden_states_of_the_grouped_product():
+    """Entries sliced with their groups: the gather is sliced like its rows, the scatter into zeros a
+    partial sum; a whole operand is asked to be sliced, a dense operand sliced unlike its groups is not."""
+    import memplan.ops  # noqa: F401
+
+    def f(cols, values, a, b):
+        grad_a = torch.ops.memplan.grouped_addmm_(torch.zeros(8, 4), cols, values, b, 3, False, torch.empty(2, 5, dtype=torch.int64))
+        grad_b = torch.ops.memplan.grouped_addmm_(torch.zeros(10, 4), cols, values, a, 3, True, torch.empty(2, 5, dtype=torch.int64))
+        return grad_a, grad_b
+
+    gm = torch.fx.experimental.proxy_tensor.make_fx(f, tracing_mode="fake")(
+        torch.zeros(24, dtype=torch.int64), torch.randn(24), torch.randn(8, 4), torch.randn(10, 4))
+    nodes = {n.name: n for n in gm.graph.nodes}
+    cols, values, a, b = (nodes[k] for k in ("cols_1", "values_1", "a_1", "b_1"))
+    gather, scatter = [n for n in gm.graph.nodes if packet_name(n) == "grouped_addmm_"]
+    zero_a, zero_b = gather.args[0], scatter.args[0]
+    entries = {cols: Split(0, 6), values: Split(0, 6)}
+    assert chunk_rule(gather, {**entries, zero_a: Split(0, 2)}.get) == Split(0, 2)
+    assert chunk_rule(gather, entries.get, lambda n: n is zero_a).node is zero_a  # Need: rows of out
+    assert chunk_rule(scatter, {**entries, a: Split(0, 2)}.get, lambda n: n is zero_b) == Partial("sum")
+    assert chunk_rule(scatter, {cols: Split(0, 6), a: Split(0, 2)}.get, lambda n: n is zero_b).node is values
+    assert chunk_rule(scatter, {**entries, a: Split(0, 1)}.get, lambda n: n is zero_b) == Barrier("grouped_addmm_ with groups sliced unlike their entries")
+    assert isinstance(chunk_rule(gather, {**entries, zero_a: Split(0, 2), b: Split(0, 1)}.get), Barrier)
+

@@ -157,6 +157,9 @@ def op_work(node: torch.fx.Node, scales: Callable[[torch.fx.Node], bool] = lambd
         source = _INDEXED_MOVES[name]  # the argument whose elements move (None: the result)
         moved = node if source is None else node.args[source] if source < len(node.args) else None
         indexed = _numel(moved) if isinstance(moved, torch.fx.Node) else 0
+    elif name == "grouped_addmm_":  # one row of the dense operand moved per entry
+        values, dense = node.args[2], node.args[3]
+        indexed = _numel(values) * (shape_of(dense)[-1] if shape_of(dense) else 1)
     fixed = scaled = 0
     elements, elements_scale = 0, False
     operands = [a for a in node.all_input_nodes if is_tensor(a)]

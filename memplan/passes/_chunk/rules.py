@@ -486,6 +486,8 @@ def chunk_rule(node: torch.fx.Node, st: Callable[[Any], State], is_zero: Callabl
         return _same_dim_all(node, state, [a for a in (node.args[0], node.args[2], node.args[3] if len(node.args) > 3 else None) if a is not None], dim, None)
     if name in ("index_add", "index_add_"):
         return _index_add(node, state, is_zero)
+    if name == "grouped_addmm_":
+        return _grouped_addmm(node, state, is_zero)
     if name == "index":
         return _index(node, state, out_shape)
     if name in ("index_put", "_index_put_impl_"):
@@ -611,6 +613,46 @@ def _index_add(node: torch.fx.Node, st, is_zero) -> RuleResult:
     if isinstance(si, Replicated):
         return _same_dim_all(node, st, [base, source], dim, None)
     return Barrier("index_add along the chunked dimension")
+
+
+def _grouped_addmm(node: torch.fx.Node, st, is_zero) -> RuleResult:
+    """``memplan::grouped_addmm_(out, cols, values, dense, per_group, scatter, workspace)``: a chunk of
+    consecutive groups is the op on the slices of the entries (``cols``, ``values``) and of the
+    grouped side (``out`` without ``scatter``, ``dense`` with it), group numbers being positions. The
+    other side is read or written whole: with ``scatter`` every chunk adds into all of ``out`` (a
+    partial sum), without it every chunk reads all of ``dense``. The workspace has a fixed size."""
+    out, cols, values, dense, per_group, scatter, workspace = node.args[:7]
+    so, sc, sv, sd = st(out), st(cols), st(values), st(dense)
+    if not isinstance(st(workspace), Replicated):
+        return Barrier("grouped_addmm_ with a sliced workspace")
+    sg, sh = (sd, so) if scatter else (so, sd)
+    entries = [(cols, sc), (values, sv)]
+    split = next((s for _, s in entries if isinstance(s, Split) and s.dim == 0), None)
+    if split is None and isinstance(sg, Split) and sg.dim == 0:
+        split = Split(0, sg.inner * per_group)
+    if split is None or split.inner % per_group:
+        return Barrier("grouped_addmm_ along the chunked dimension")
+    for t, s in entries:
+        if isinstance(s, Replicated):
+            return Need(t, split)  # a chunk's entries go with their columns and values
+        if s != split:
+            return Barrier("grouped_addmm_ with entries sliced unevenly")
+    group_split = Split(0, split.inner // per_group)
+    if isinstance(sg, Replicated):
+        if scatter:
+            return Need(dense, group_split)  # the rows of dense a chunk's groups read
+        if not (is_zero(out) and len(out.users) == 1):
+            return Barrier("grouped_addmm_ into rows of a tensor other ops read")
+        return Need(out, group_split)  # a chunk's rows of out (a zero factory: built chunk-sized)
+    if sg != group_split:
+        return Barrier("grouped_addmm_ with groups sliced unlike their entries")
+    if not scatter:
+        return group_split if isinstance(sh, Replicated) else Barrier("grouped_addmm_ of a sliced dense operand")
+    if isinstance(sh, Replicated) and is_zero(out) or isinstance(sh, Partial) and sh.kind == "sum":
+        return Partial("sum")
+    if _accumulates_into(node, out, sh):
+        return Partial("inplace")
+    return Barrier("grouped_addmm_ of sliced entries into a non-zero base")
 
 
 def _index(node: torch.fx.Node, st, out_shape) -> RuleResult:

@@ -1,0 +1,148 @@
+"""Operators that memplan's rewrites put into graphs, registered with PyTorch under ``memplan::``.
+
+``torch.ops.memplan.grouped_addmm_(out, cols, values, dense, per_group, scatter, workspace)``
+    A product of a sparse matrix with a dense one, added into ``out`` in place. The sparse matrix has
+    ``nnz`` entries in groups of ``per_group``: entry ``e`` lies in group ``e // per_group``, at column
+    ``cols[e]``, with value ``values[e]``.
+
+    * ``scatter=False``: ``out[e // per_group] += values[e] * dense[cols[e]]`` (one row of ``out`` per
+      group: the gradient of the rows a selection was taken for);
+    * ``scatter=True``: ``out[cols[e]] += values[e] * dense[e // per_group]`` (one row of ``dense`` per
+      group, added where the group's entries point: the gradient of what was selected).
+
+    Repeated columns add up. ``cols`` is int32 or int64. ``workspace`` is a contiguous int64 tensor of
+    shape ``(2, block)``, any ``block >= 1``, that the operator overwrites: the entries are taken
+    ``block`` at a time, their coordinates written into it. It returns ``out``.
+
+    Why an operator: this is the gradient of a selection (the entries a ``max`` over a matrix product
+    kept), and every dense way to write it holds a temporary of ``nnz x k`` (the gathered or the
+    weighted rows) before a sum or a scatter-add. PyTorch's CPU kernel for ``addmm_`` with a sparse COO
+    first operand walks the entries one ``axpy`` at a time and allocates nothing, so the selection costs
+    only its columns, values and a workspace of fixed size, tensors of the graph that memplan's analyses
+    count: the operator writes a block of coordinates into the workspace, views them with the block's
+    values as a sparse matrix (no copy) and calls that kernel, so memplan's graphs, analyses and
+    generated code see dense tensors only, and the writes are declared in the schema (``Tensor(a!)``)
+    like any ATen in-place op's.
+
+    Without ``scatter`` and with int32 columns, each block is a compressed-row matrix instead (its row
+    offsets in the workspace, the columns and values as they are), which MKL multiplies without a copy
+    and several times faster.
+
+    Groups are positions, not stored row numbers: a chunk of consecutive groups is the same operator on
+    the matching slices of the entries and of the grouped side (``out`` or ``dense``), which is how the
+    chunk pass splits it.
+
+    On CUDA the same call goes through cuSPARSE, which converts the matrix to compressed rows inside
+    the call; the CUDA ruler (the allocator's own peak) sees that workspace, the CPU ruler has nothing
+    to see. Results equal a dense ``index_add_`` up to summation order.
+
+Examples
+--------
+>>> import torch, memplan.ops
+>>> dense = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+>>> cols, values = torch.tensor([1, 0, 1, 1]), torch.tensor([1.0, 2.0, -1.0, 3.0])
+>>> workspace = torch.empty(2, 3, dtype=torch.int64)
+>>> torch.ops.memplan.grouped_addmm_(torch.zeros(2, 2), cols, values, dense, 2, False, workspace)
+tensor([[5., 8.],
+        [6., 8.]])
+>>> torch.ops.memplan.grouped_addmm_(torch.zeros(2, 2), cols, values, dense, 2, True, workspace)
+tensor([[ 2.,  4.],
+        [ 7., 10.]])
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+__all__ = ["grouped_addmm_"]
+
+_LIBRARY = torch.library.Library("memplan", "DEF")
+_LIBRARY.define(
+    "grouped_addmm_(Tensor(a!) out, Tensor cols, Tensor values, Tensor dense, int per_group, bool scatter, "
+    "Tensor(b!) workspace) -> Tensor(a!)"
+)
+
+
+def _check(out: torch.Tensor, cols: torch.Tensor, values: torch.Tensor, dense: torch.Tensor, per_group: int,
+           scatter: bool, workspace: torch.Tensor) -> None:
+    def fail(what: str) -> None:
+        raise ValueError(f"memplan::grouped_addmm_: {what}")
+
+    if out.dim() != 2 or dense.dim() != 2 or out.shape[1] != dense.shape[1]:
+        fail(f"out {tuple(out.shape)} and dense {tuple(dense.shape)} must be matrices with the same number of columns")
+    nnz = cols.numel()
+    if cols.shape != (nnz,) or cols.dtype not in (torch.int32, torch.int64) or not cols.is_contiguous():
+        fail(f"cols must be a contiguous 1-d int32 or int64 tensor, got {cols.dtype} {tuple(cols.shape)}")
+    if values.shape != (nnz,) or values.dtype != out.dtype or dense.dtype != out.dtype or not values.is_contiguous():
+        fail(f"values {values.dtype} {tuple(values.shape)} must be contiguous, ({nnz},), and share the dtype of "
+             f"out ({out.dtype}) and dense ({dense.dtype})")
+    groups = dense.shape[0] if scatter else out.shape[0]
+    if per_group < 1 or groups * per_group != nnz:
+        fail(f"{nnz} entries are not {groups} groups of {per_group}")
+    if workspace.dim() != 2 or workspace.shape[0] != 2 or workspace.shape[1] < 1 or workspace.dtype != torch.int64 \
+            or not workspace.is_contiguous():
+        fail(f"workspace must be a contiguous int64 tensor of shape (2, block), got {workspace.dtype} "
+             f"{tuple(workspace.shape)}")
+
+
+_CSR_WARNED = False
+
+
+def _csr(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """A compressed-row view of the three tensors. PyTorch warns once per process that CSR support is in
+    beta; memplan uses one operation of it (tested), so the first construction hides that warning."""
+    global _CSR_WARNED
+    if _CSR_WARNED:
+        return torch.sparse_csr_tensor(crow, col, values, size, check_invariants=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
+        matrix = torch.sparse_csr_tensor(crow, col, values, size, check_invariants=False)
+    _CSR_WARNED = True
+    return matrix
+
+
+def _grouped_addmm_(out: torch.Tensor, cols: torch.Tensor, values: torch.Tensor, dense: torch.Tensor,
+                    per_group: int, scatter: bool, workspace: torch.Tensor) -> torch.Tensor:
+    _check(out, cols, values, dense, per_group, scatter, workspace)
+    nnz, block = cols.numel(), workspace.shape[1]
+    flat = workspace.view(-1)
+    if not scatter and cols.dtype == torch.int32 and out.is_contiguous():
+        # compressed rows: offsets of `groups` rows in the workspace (as int32), columns and values as
+        # they are (check_invariants=False: no pass over the indices; the columns are in range by
+        # construction of the graphs that call this, and the kernel reads only those)
+        offsets = flat.view(torch.int32)
+        groups = offsets.numel() - 1
+        for first in range(0, out.shape[0], groups):
+            n = min(groups, out.shape[0] - first)
+            lo, hi = first * per_group, (first + n) * per_group
+            crow = offsets[: n + 1]
+            torch.arange(0, n * per_group + 1, per_group, out=crow)
+            matrix = _csr(crow, cols[lo:hi], values[lo:hi], (n, dense.shape[0]))
+            out[first : first + n].addmm_(matrix, dense)
+        return out
+    for lo in range(0, nnz, block):
+        n = min(block, nnz - lo)
+        coords = flat[: 2 * n].view(2, n)
+        group, column = (coords[1], coords[0]) if scatter else (coords[0], coords[1])
+        torch.arange(lo, lo + n, out=group)
+        group.floor_divide_(per_group)
+        column.copy_(cols[lo : lo + n])
+        # a sparse view of the workspace and the values (no copy; check_invariants=False skips a bounds
+        # check that reduces over the indices, the kernel checks each coordinate as it goes)
+        matrix = torch.sparse_coo_tensor(coords, values[lo : lo + n], (out.shape[0], dense.shape[0]), check_invariants=False)
+        out.addmm_(matrix, dense)
+    return out
+
+
+def _grouped_addmm_fake(out: torch.Tensor, cols: torch.Tensor, values: torch.Tensor, dense: torch.Tensor,
+                        per_group: int, scatter: bool, workspace: torch.Tensor) -> torch.Tensor:
+    _check(out, cols, values, dense, per_group, scatter, workspace)
+    return out
+
+
+_LIBRARY.impl("grouped_addmm_", _grouped_addmm_, "CompositeExplicitAutograd")
+_LIBRARY.impl("grouped_addmm_", _grouped_addmm_fake, "Meta")
+
+grouped_addmm_ = torch.ops.memplan.grouped_addmm_.default
