@@ -96,6 +96,7 @@ autograd sequence numbers.
 from __future__ import annotations
 
 import dataclasses
+import math
 import heapq
 import operator
 from collections.abc import Callable, Mapping, Sequence
@@ -851,6 +852,27 @@ def _make_loops(
                 specs[i] = dataclasses.replace(specs[i], kind="inplace", steps=steps, acc_shape=tuple(value.shape), dtype=value.dtype)
                 accumulators.append(zero)
                 body_outputs[i] = (scatter, None)  # the loop views the accumulator itself, once, at the end
+    # a concatenated output that the body scatter-adds into a chunk-sized zero tensor: the loop passes
+    # the chunk's slice of the result instead (see LoopOutput.into)
+    slots = []
+    for i, (node, index) in enumerate(body_outputs):
+        if index is not None or specs[i].kind != "cat" or specs[i].same_as >= 0:
+            continue
+        found = _accumulation(node, nodes, [o for o, _ in body_outputs])
+        zero_state = states.get(found[0]) if found is not None else None
+        if not (isinstance(zero_state, Split) and zero_state.dim == 0):
+            continue
+        zero, _, scatter = found
+        value, spec = zero.meta["val"], specs[i]
+        # the output is the zero tensor reshaped (a contiguous view of all of a contiguous tensor keeps
+        # its row-major order), with the same units along the dimensions each is split on
+        out_value = node.meta["val"]
+        if not (value.is_contiguous() and out_value.is_contiguous() and out_value.storage_offset() == 0):
+            continue
+        if value.numel() != out_value.numel() or value.shape[0] * spec.inner != spec.shape[spec.dim] * zero_state.inner:
+            continue
+        specs[i] = dataclasses.replace(specs[i], into=zero_state.inner, acc_shape=tuple(value.shape))
+        slots.append((zero, zero_state))
     # an input stored narrow by the forward loop is widened back, chunk by chunk, beside the body
     loop_inputs = tuple(
         LoopInput(s.dim, s.inner, node.meta["val"].dtype if node in narrow else None) if isinstance(s, Split) else LoopInput()
@@ -864,7 +886,7 @@ def _make_loops(
         lengths = sorted({size, region.units - (chunks - 1) * size})
         for length in lengths:
             if length not in built:
-                built[length] = build_body(nodes, inputs, body_outputs, states, length, mode, compile, accumulators)
+                built[length] = build_body(nodes, inputs, body_outputs, states, length, mode, compile, accumulators, slots)
                 if inner and length in inner:
                     built[length] = apply_chunk(body_graph(built[length]), inner[length], compile).gm
         bodies = {length: built[length] for length in lengths}

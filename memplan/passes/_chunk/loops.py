@@ -252,12 +252,14 @@ def build_body(
     mode,
     compile: bool = True,
     accumulators: Sequence[torch.fx.Node] = (),
+    slots: Sequence[tuple[torch.fx.Node, Split]] = (),
 ) -> torch.fx.GraphModule:
     """An fx module computing ``outputs`` of one chunk of ``units`` units from chunk-sized ``inputs``.
 
     ``outputs`` are ``(node, index)`` pairs: ``index`` picks an item of a tuple value. The zero
     tensors in ``accumulators`` are not created per chunk: they are extra inputs (the loop's own
-    accumulators) that the body adds into in place.
+    accumulators) that the body adds into in place; nor are the chunk-sized zero tensors in
+    ``slots`` (with their states), which the loop passes after them (the chunk's slices of results).
     """
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -269,6 +271,10 @@ def build_body(
     for node in accumulators:
         placeholder = graph.placeholder(f"{node.name}_acc")
         placeholder.meta["val"] = node.meta["val"]
+        env[node] = placeholder
+    for node, state in slots:
+        placeholder = graph.placeholder(f"{node.name}_out")
+        placeholder.meta["val"] = _narrow_fake(node.meta["val"], state, units, mode)
         env[node] = placeholder
     returned = {node for node, _ in outputs}
     base: dict[torch.fx.Node, torch.fx.Node] = {}  # body node -> the value it is a chain of views of
@@ -357,7 +363,11 @@ class LoopInput:
 class LoopOutput:
     """How the chunks' values combine: ``"cat"`` on ``dim``, ``"sum"``, ``"mean"``, ``"lse"``, ``"max"``,
     ``"min"``, ``"nll_mean"`` (weighted by output ``partner``, a hidden sum), ``"first"``, or
-    ``"inplace"`` (the bodies scatter-add into one zero accumulator the loop passes them)."""
+    ``"inplace"`` (the bodies scatter-add into one zero accumulator the loop passes them).
+
+    A ``"cat"`` output with ``into`` set is a zero tensor the body scatter-adds into (viewed): the loop
+    passes each chunk its slice of the result, zeroed and viewed as ``into`` rows per unit, so the
+    chunk's value is never copied; where that slice is not contiguous, a zero tensor and a copy."""
 
     kind: str
     dim: int = 0
@@ -371,6 +381,8 @@ class LoopOutput:
     steps: tuple = ()  # ``"inplace"``: the view ops from the accumulator to the output
     alias_of: int = -1  # the output is loop input ``alias_of``, added into in place by every chunk
     acc_shape: tuple[int, ...] = ()  # ``"inplace"``: the zero accumulator the body adds into
+    into: int = 0  # ``"cat"``: the body adds into a zero tensor of this many units' rows per unit that
+    # the loop passes it, the chunk's slice of the result itself (zeroed), so nothing is copied
 
 
 @dataclasses.dataclass(frozen=True)
@@ -432,6 +444,10 @@ class ChunkLoop(torch.nn.Module):
         combined = [(i, out) for i, out in enumerate(spec.outputs) if out.same_as < 0 and out.kind != "inplace"]
         widened = [i for i, s in enumerate(spec.inputs) if s.dtype is not None]
         slots: dict[int, Sequence[torch.Tensor]] = {}  # "cat" outputs: each chunk's slice of the result
+        into = [(i, out) for i, out in combined if out.into]
+        for i, out in into:
+            results[i] = torch.empty_strided(out.shape, out.stride, dtype=out.dtype, device=device)
+            slots[i] = results[i].split(spec.chunk * out.inner, out.dim)
         for k in range(spec.chunks):
             start = k * spec.chunk
             length = min(spec.chunk, spec.units - start)
@@ -439,13 +455,22 @@ class ChunkLoop(torch.nn.Module):
             for i in widened:
                 chunk_args[i] = chunk_args[i].to(spec.inputs[i].dtype)
             chunk_args.extend(accumulators)
+            copied = set()
+            for i, out in into:
+                slot = slots[i][k]
+                if slot.is_contiguous():
+                    chunk_args.append(slot.view(length * out.into, *out.acc_shape[1:]).zero_())
+                else:
+                    chunk_args.append(torch.zeros((length * out.into, *out.acc_shape[1:]), dtype=out.dtype, device=device))
+                    copied.add(i)
             outs = self._runner(length)(chunk_args)
             for i, out in combined:
                 if out.kind == "cat":
                     if i not in slots:
                         results[i] = torch.empty_strided(out.shape, out.stride, dtype=out.dtype, device=outs[i].device)
                         slots[i] = results[i].split(spec.chunk * out.inner, out.dim)
-                    slots[i][k].copy_(outs[i])
+                    if not out.into or i in copied:
+                        slots[i][k].copy_(outs[i])
                 else:
                     results[i] = self._combine(results[i], outs[i], out, length, outs)
             outs = chunk_args = None  # drop this chunk's values before the next chunk runs
