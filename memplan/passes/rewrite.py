@@ -521,7 +521,7 @@ class _MatmulMaxFunction(torch.autograd.Function):
         return grad_a, grad_b, None
 
 
-_COORD_BLOCK = 256  # entries whose int64 coordinates the operator holds at once (4 KiB of workspace)
+_COORD_BLOCK = 512  # entries whose int64 coordinates the operator holds at once (8 KiB of workspace)
 
 
 def _gather_grads(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, index: torch.Tensor, pattern: MatmulMax):
