@@ -18,6 +18,7 @@ from memplan.errors import (
     UnsupportedNodeError,
 )
 from memplan.measure import Measurement, format_bytes, measure
+from memplan import ops as _ops  # noqa: F401  (registers torch.ops.memplan, which plans and reproducers may hold)
 
 __version__ = "0.1.0"
 
