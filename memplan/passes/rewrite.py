@@ -568,8 +568,9 @@ def _gather_grads(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, index: t
             offsets = offset.to(cols_dtype) if offsets is None else offsets + offset.to(cols_dtype)
     selected = index.to(cols_dtype) * pattern.step if pattern.step != 1 else index
     cols = selected.to(cols_dtype) if offsets is None else offsets + selected
-    cols = cols.expand(grad.shape).permute(order).reshape(-1)
-    values = grad.permute(order).reshape(-1)
+    # (contiguous: a reshape of a one-dimensional broadcast is a view with stride 0)
+    cols = cols.expand(grad.shape).permute(order).reshape(-1).contiguous()
+    values = grad.permute(order).reshape(-1).contiguous()
     a_rows = a.reshape(batch * rows_n, k)
     b_rows = b.transpose(1, 2).reshape(batch * cols_n, k)
     block = min(cols.shape[0], _COORD_BLOCK)

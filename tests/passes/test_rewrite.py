@@ -69,6 +69,14 @@ class MatmulMaxKeepdim(nn.Module):
         return values.exp(), indices
 
 
+class SummedRowMax(nn.Module):
+    """A 2-d product reduced to one value per column, then summed: the gradient that reaches the max is
+    a one-dimensional broadcast (stride 0), which the backward's entries must not take as they are."""
+
+    def forward(self, a, b):
+        return (a @ b.t()).max(dim=0).values.sum()
+
+
 class MaxOverBatch(nn.Module):
     """A max over the batch dimension of a bmm: not a row or column factor, so not rewritten."""
 
@@ -103,6 +111,7 @@ def _models():
         ("row_min", RowMin(), (torch.randn(3, 20, 8, requires_grad=True), torch.randn(3, 8, 30, requires_grad=True))),
         ("matmul_max_keepdim", MatmulMaxKeepdim(), (torch.randn(12, 16, requires_grad=True),)),
         ("expanded_source", ExpandedSource(), (torch.randn(3, 4, 2, 6, requires_grad=True),)),
+        ("summed_row_max", SummedRowMax(), (torch.randn(40, 8, requires_grad=True), torch.randn(50, 8, requires_grad=True))),
     ]
 
 
