@@ -587,3 +587,34 @@ def test_maxsim_is_30x_lower_with_its_gradient_written_in_place_by_the_loop():
     assert measured * 30 <= measure(step_fn(w.model, w.inputs, train=True)).peak
     assert abs(measured - opt.plan.planned_peak) <= 0.05 * opt.plan.planned_peak
     assert_equivalent(w.model, opt, *w.inputs, **TOL)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_a_loop_writes_each_chunk_into_its_slice_or_copies_where_the_slice_is_strided(dim):
+    """``LoopOutput.into``: the body adds into the zero tensor the loop passes it. Along dim 0 of a
+    contiguous result that is the chunk's slice itself (written in place); along dim 1 the slice is
+    strided, so the loop passes a fresh zero tensor and copies it in. Both give the whole result."""
+    from torch.fx.graph import _BoxedCodeGen
+
+    from memplan.passes._chunk.loops import LoopInput, LoopOutput, LoopSpec
+
+    bodies = {}
+    for length in (2, 1):  # chunks of two units, and a last one of one
+        graph = torch.fx.Graph()
+        part, zero = graph.placeholder("x_in"), graph.placeholder("zero_out")
+        flat = graph.call_function(torch.ops.aten.reshape.default, (part, [-1]))
+        added = graph.call_function(torch.ops.aten.add_.Tensor, (zero, flat))
+        shaped = (length * 6,) if dim == 0 else (6, length)
+        graph.output((graph.call_function(torch.ops.aten.view.default, (added, list(shaped))),))
+        graph.set_codegen(_BoxedCodeGen())
+        bodies[length] = torch.fx.GraphModule(torch.nn.Module(), graph)
+    # the result: (24,) cut into chunks of 2 x 6 elements, or (6, 5) cut along its columns, 2 at a time;
+    # the body's zero tensor holds a chunk's values flattened: 6 per unit
+    x, inner = (torch.randn(24), 6) if dim == 0 else (torch.randn(6, 5), 1)
+    spec = LoopSpec(
+        units=x.shape[dim] // inner, chunk=2, inputs=(LoopInput(dim, inner),),
+        outputs=(LoopOutput("cat", dim, inner, tuple(x.shape), x.stride(), into=6, acc_shape=(x.numel(),)),),
+        scratch=0,
+    )
+    (result, _scratch) = ChunkLoop(spec, bodies)(x)
+    torch.testing.assert_close(result, x, rtol=0, atol=0)
