@@ -6,6 +6,7 @@
 '16.00 KiB'
 """
 
+from memplan import ops as _ops  # noqa: F401  (registers torch.ops.memplan, which plans and reproducers may hold)
 from memplan.analysis.memory import MemoryAnalysis, analyze
 from memplan.api import OptimizedModule, Plan, optimize
 from memplan.capture import CapturedGraph
@@ -18,7 +19,6 @@ from memplan.errors import (
     UnsupportedNodeError,
 )
 from memplan.measure import Measurement, format_bytes, measure
-from memplan import ops as _ops  # noqa: F401  (registers torch.ops.memplan, which plans and reproducers may hold)
 
 __version__ = "0.1.0"
 

@@ -96,8 +96,8 @@ autograd sequence numbers.
 from __future__ import annotations
 
 import dataclasses
-import math
 import heapq
+import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any

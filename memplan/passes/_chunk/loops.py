@@ -381,8 +381,8 @@ class LoopOutput:
     steps: tuple = ()  # ``"inplace"``: the view ops from the accumulator to the output
     alias_of: int = -1  # the output is loop input ``alias_of``, added into in place by every chunk
     acc_shape: tuple[int, ...] = ()  # ``"inplace"``: the zero accumulator the body adds into
-    into: int = 0  # ``"cat"``: the body adds into a zero tensor of this many units' rows per unit that
-    # the loop passes it, the chunk's slice of the result itself (zeroed), so nothing is copied
+    into: int = 0  # ``"cat"``: rows per unit of the zero tensor the body adds into, which the loop
+    # passes it: the chunk's slice of the result itself (zeroed), so nothing is copied
 
 
 @dataclasses.dataclass(frozen=True)
