@@ -600,13 +600,7 @@ def _index_add(node: torch.fx.Node, st, is_zero) -> RuleResult:
     dim = norm_dim(dim, rank)
     sb, si, ss = st(base), st(index), st(source)
     if isinstance(ss, Split) and ss.dim == dim and isinstance(si, Split) and si.dim == 0 and si.inner == ss.inner:
-        if isinstance(sb, Replicated) and is_zero(base):
-            return Partial("sum")
-        if isinstance(sb, Partial) and sb.kind == "sum":
-            return Partial("sum")
-        if _accumulates_into(node, base, sb):
-            return Partial("inplace")
-        return Barrier("index_add of sliced rows into a non-zero base")
+        return _added_into(node, base, sb, is_zero, "index_add of sliced rows")
     if isinstance(si, Replicated) and isinstance(ss, Split) and ss.dim == dim and is_tensor(index):
         if shape_of(index) == (shape_of(source)[dim],):
             return Need(index, Split(0, ss.inner))  # the rows a chunk adds go with their indices
@@ -648,11 +642,7 @@ def _grouped_addmm(node: torch.fx.Node, st, is_zero) -> RuleResult:
         return Barrier("grouped_addmm_ with groups sliced unlike their entries")
     if not scatter:
         return group_split if isinstance(sh, Replicated) else Barrier("grouped_addmm_ of a sliced dense operand")
-    if isinstance(sh, Replicated) and is_zero(out) or isinstance(sh, Partial) and sh.kind == "sum":
-        return Partial("sum")
-    if _accumulates_into(node, out, sh):
-        return Partial("inplace")
-    return Barrier("grouped_addmm_ of sliced entries into a non-zero base")
+    return _added_into(node, out, sh, is_zero, "grouped_addmm_ of sliced entries")
 
 
 def _index(node: torch.fx.Node, st, out_shape) -> RuleResult:
@@ -680,11 +670,18 @@ def _index_put(node: torch.fx.Node, st, is_zero) -> RuleResult:
         return Barrier("index_put other than an accumulation at dim 0")
     si, sv, sb = st(real[0]), st(values), st(base)
     if isinstance(si, Split) and isinstance(sv, Split) and si.dim == sv.dim == 0 and si.inner == sv.inner:
-        if isinstance(sb, Replicated) and is_zero(base) or isinstance(sb, Partial) and sb.kind == "sum":
-            return Partial("sum")
-        if _accumulates_into(node, base, sb):
-            return Partial("inplace")
+        return _added_into(node, base, sb, is_zero, "index_put of sliced values")
     return Barrier("index_put of sliced values into a non-zero base")
+
+
+def _added_into(node: torch.fx.Node, base: Any, state: State, is_zero, what: str) -> RuleResult:
+    """Sliced values added into ``base`` (in ``state``): a partial sum when the base is zeros or itself a
+    partial sum, one accumulator when the op adds in place into a tensor nothing else reads."""
+    if isinstance(state, Replicated) and is_zero(base) or isinstance(state, Partial) and state.kind == "sum":
+        return Partial("sum")
+    if _accumulates_into(node, base, state):
+        return Partial("inplace")
+    return Barrier(f"{what} into a non-zero base")
 
 
 def _accumulates_into(node: torch.fx.Node, base: Any, state: State) -> bool:
