@@ -444,10 +444,11 @@ class ChunkLoop(torch.nn.Module):
         combined = [(i, out) for i, out in enumerate(spec.outputs) if out.same_as < 0 and out.kind != "inplace"]
         widened = [i for i, s in enumerate(spec.inputs) if s.dtype is not None]
         slots: dict[int, Sequence[torch.Tensor]] = {}  # "cat" outputs: each chunk's slice of the result
+        for i, out in combined:
+            if out.kind == "cat":
+                results[i] = torch.empty_strided(out.shape, out.stride, dtype=out.dtype, device=device)
+                slots[i] = results[i].split(spec.chunk * out.inner, out.dim)
         into = [(i, out) for i, out in combined if out.into]
-        for i, out in into:
-            results[i] = torch.empty_strided(out.shape, out.stride, dtype=out.dtype, device=device)
-            slots[i] = results[i].split(spec.chunk * out.inner, out.dim)
         for k in range(spec.chunks):
             start = k * spec.chunk
             length = min(spec.chunk, spec.units - start)
@@ -466,9 +467,6 @@ class ChunkLoop(torch.nn.Module):
             outs = self._runner(length)(chunk_args)
             for i, out in combined:
                 if out.kind == "cat":
-                    if i not in slots:
-                        results[i] = torch.empty_strided(out.shape, out.stride, dtype=out.dtype, device=outs[i].device)
-                        slots[i] = results[i].split(spec.chunk * out.inner, out.dim)
                     if not out.into or i in copied:
                         slots[i][k].copy_(outs[i])
                 else:
