@@ -573,7 +573,7 @@ def _gather_grads(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, index: t
     values = grad.permute(order).reshape(-1).contiguous()
     a_rows = a.reshape(batch * rows_n, k)
     b_rows = b.transpose(1, 2).reshape(batch * cols_n, k)
-    block = min(cols.shape[0], _COORD_BLOCK)
+    block = max(1, min(cols.shape[0], _COORD_BLOCK))  # (an empty product still gets a workspace)
     grad_a = torch.zeros(batch * rows_n, k, dtype=a.dtype, device=a.device)
     workspace = torch.empty(2, block, dtype=torch.int64, device=a.device)
     grad_a = grouped_addmm_(grad_a, cols, values.to(a.dtype), b_rows, per_row, False, workspace)

@@ -112,6 +112,7 @@ def _models():
         ("matmul_max_keepdim", MatmulMaxKeepdim(), (torch.randn(12, 16, requires_grad=True),)),
         ("expanded_source", ExpandedSource(), (torch.randn(3, 4, 2, 6, requires_grad=True),)),
         ("summed_row_max", SummedRowMax(), (torch.randn(40, 8, requires_grad=True), torch.randn(50, 8, requires_grad=True))),
+        ("empty_row_max", SummedRowMax(), (torch.randn(40, 8, requires_grad=True), torch.randn(0, 8, requires_grad=True))),
     ]
 
 
