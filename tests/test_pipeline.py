@@ -8,7 +8,7 @@ import torch
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation, step_margin
 from memplan.analysis.tensors import Tensors
-from memplan.capture import capture
+from memplan.capture import Phase, capture
 from memplan.errors import PassError
 from memplan.pipeline import PassManager, PassResult, PassStats, parse_pipeline, register_pass, registered_passes, replay
 
@@ -196,3 +196,51 @@ def test_the_default_pipeline_never_measures_higher_as_the_budget_falls():
     with pytest.raises(InfeasibleBudgetError) as caught:
         optimize(model, budget=rungs[-1] - 1)(*inputs)
     assert caught.value.smallest == rungs[-1]
+
+
+def _broken(kind):
+    """A captured training graph of ``chain`` with one invariant broken (see the cases below)."""
+    graph = dataclasses.replace(capture(chain, torch.randn(8, requires_grad=True)), lifetimes="graph")
+    nodes = {n.name: n for n in graph.gm.graph.nodes}
+    exp, sin = nodes["exp"], nodes["sin"]
+    if kind == "order":
+        exp.prepend(sin)  # sin now comes before the exp it reads
+    elif kind == "foreign":
+        other = torch.fx.Graph().placeholder("stray")
+        sin.args = (other,)
+    elif kind == "phase":
+        graph = dataclasses.replace(graph, phases={k: v for k, v in graph.phases.items() if k != "sin"})
+    elif kind == "value":
+        del sin.meta["val"]
+    elif kind == "target":
+        sin.target = "sin"
+    elif kind == "attribute":
+        with graph.gm.graph.inserting_before(sin), pytest.warns(UserWarning, match="no underlying reference"):
+            graph.gm.graph.get_attr("no_such_buffer")
+    elif kind == "forward_reads_backward":
+        backward = next(n for n in graph.gm.graph.nodes
+                        if n.op == "call_function" and graph.phases[n.name] is Phase.BACKWARD)
+        with graph.gm.graph.inserting_before(graph.gm.graph.output_node()):
+            stray = graph.gm.graph.call_function(torch.ops.aten.neg.default, (backward,))
+        stray.meta["val"] = backward.meta["val"]
+        graph = dataclasses.replace(graph, phases={**graph.phases, stray.name: Phase.FORWARD})
+    return graph
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("order", r"argument exp of node sin is used before it is defined"),
+    ("foreign", r"argument stray of node sin belongs to another graph"),
+    ("phase", r"has no forward/backward phase"),
+    ("value", r"has no fake value"),
+    ("target", r"node sin calls 'sin', which is not callable"),
+    ("attribute", r"reads attribute no_such_buffer, which the module lacks"),
+    ("forward_reads_backward", r"forward node neg\w* reads backward node"),
+])
+def test_verify_names_the_broken_invariant(kind, message):
+    from memplan.pipeline import verify
+
+    graph = capture(chain, torch.randn(8, requires_grad=True))
+    verify(dataclasses.replace(graph, lifetimes="graph"), AnalysisManager(graph))  # the captured graph is sound
+    broken = _broken(kind)
+    with pytest.raises(AssertionError, match=message):
+        verify(broken, AnalysisManager(broken))
