@@ -87,6 +87,17 @@ class Policy:
         if not self.max_overhead >= 0:
             raise ValueError(f"max_overhead must be >= 0, not {self.max_overhead}")
 
+    def may_take(self, overhead: float) -> bool:
+        """False when :meth:`choose` can never take a candidate of this extra compute, whatever its peak,
+        from candidates that include one with no extra compute: without a budget it keeps to
+        ``max_overhead``. Such a candidate need not be simulated; nor can it hide one that may be taken
+        from a Pareto front, since it costs more than any of those.
+
+        >>> Policy(max_overhead=0.2).may_take(0.3), Policy(budget=50, max_overhead=0.2).may_take(0.3)
+        (False, True)
+        """
+        return self.budget is not None or overhead <= self.max_overhead
+
     def choose(self, candidates: Sequence[Candidate[T]]) -> Candidate[T]:
         if not candidates:
             raise ValueError("no candidate plans to choose from")

@@ -1934,9 +1934,11 @@ def plan_remat(
         plan = RematPlan(label, stack_reads=reads, groups=groups, units=tuple(dict.fromkeys(copies.units.values())),
                          recomputed=copies.recomputed, saved=tuple(saved), copies=copies,
                          planned_on=simulation.names)
+        overhead = extra / max(1, facts.total_flops)
+        if not policy.may_take(overhead):
+            continue  # never taken (the plan keeping everything costs nothing): not simulated
         # Step 5: simulate it.
-        peak = simulation.step_peak(reads, copies)
-        candidates.append(Candidate(plan, peak, extra / max(1, facts.total_flops), label))
+        candidates.append(Candidate(plan, simulation.step_peak(reads, copies), overhead, label))
 
     # Step 6: the policy chooses among the candidates no other beats on both peak and overhead.
     return policy.choose(pareto_front(candidates)), tuple(candidates)

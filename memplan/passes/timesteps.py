@@ -550,6 +550,8 @@ def plan_timesteps(
         plan = RematPlan(label, stack_reads=reads, groups=groups, units=tuple(dict.fromkeys(copies.units.values())),
                          recomputed=copies.recomputed, copies=copies, planned_on=simulation.names)
         overhead = extra / max(1, facts.total_flops)
+        if not policy.may_take(overhead):
+            continue  # never taken: not simulated
         candidates.append(Candidate(plan, simulation.step_peak(reads, copies), overhead, label))
 
     # Step 5 (end): the policy picks among the candidates no other beats on both counts.

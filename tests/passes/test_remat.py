@@ -1,6 +1,7 @@
 """The remat pass: recompute in the backward instead of saving, under the budget/overhead policy."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from memplan.passes.remat import (
     apply_remat,
     min_cut,
     node_flops,
+    pareto_front,
     plan_remat,
     step_margin,
 )
@@ -36,6 +38,8 @@ from memplan.steps import step_fn
 from memplan.testing import assert_equivalent, random_model, zoo
 
 ZOO = list(zoo())
+
+EVERY = Policy(max_overhead=math.inf)  # a policy that may take any plan: every candidate is simulated
 
 
 def graph_of(model, inputs):
@@ -227,7 +231,7 @@ def test_the_virtual_simulation_is_the_simulated_peak_of_the_applied_graph():
     for name in ("latent_gru", "seq2seq", "blocks"):
         model, inputs = MODELS[name]()
         graph = graph_of(model, inputs)
-        _, candidates = plan_remat(graph, AnalysisManager(graph), Policy())
+        _, candidates = plan_remat(graph, AnalysisManager(graph), EVERY)
         margin = step_margin(graph)
         for candidate in candidates:
             applied = apply_remat(graph_of(model, inputs), candidate.plan)
@@ -307,7 +311,7 @@ def measured(model, inputs):
 def test_budget_sweep_is_monotonic_and_holds_when_measured():
     model, inputs = small_gru()
     graph = graph_of(model, inputs)
-    _, candidates = plan_remat(graph, AnalysisManager(graph), Policy())
+    _, candidates = plan_remat(graph, AnalysisManager(graph), EVERY)
     peaks = sorted({c.peak for c in candidates}, reverse=True)
     assert len(peaks) >= 3
     budgets = [peaks[0] + 1000] + peaks + [(a + b) // 2 for a, b in zip(peaks, peaks[1:])]
@@ -322,10 +326,26 @@ def test_budget_sweep_is_monotonic_and_holds_when_measured():
     assert peaks[-1] - step_margin(graph) <= last <= peaks[-1]
 
 
+def test_plans_the_policy_can_never_take_are_not_simulated_and_the_choice_is_the_same():
+    """Without a budget, a plan costing more than ``max_overhead`` is never chosen, so it is dropped
+    before its simulation; the choice is the one made among every candidate."""
+    for name in ("latent_gru", "seq2seq", "blocks"):
+        model, inputs = MODELS[name]()
+        graph = graph_of(model, inputs)
+        for allowance in (0.05, 0.1, 0.3):
+            policy = Policy(max_overhead=allowance)
+            chosen, candidates = plan_remat(graph, AnalysisManager(graph), policy)
+            _, every = plan_remat(graph, AnalysisManager(graph), EVERY)
+            assert all(c.overhead <= allowance for c in candidates), name
+            assert {c.label for c in candidates} == {c.label for c in every if c.overhead <= allowance}, name
+            best = policy.choose(pareto_front(every))
+            assert (chosen.label, chosen.peak) == (best.label, best.peak), name
+
+
 def test_too_small_a_budget_names_the_smallest_peak():
     model, inputs = small_gru()
     graph = graph_of(model, inputs)
-    _, candidates = plan_remat(graph, AnalysisManager(graph), Policy())
+    _, candidates = plan_remat(graph, AnalysisManager(graph), EVERY)
     smallest = min(c.peak for c in candidates)
     with pytest.raises(MemplanError) as caught:
         optimize(model, passes="remat", budget=smallest - 1)(*inputs)
