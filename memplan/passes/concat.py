@@ -202,12 +202,19 @@ def plan_concats(graph: CapturedGraph, am: AnalysisManager) -> tuple[ConcatInPla
     return tuple(chosen)
 
 
-def apply_concats(graph: CapturedGraph, concats: tuple[ConcatInPlace, ...]) -> CapturedGraph:
+def apply_concats(graph: CapturedGraph, concats: tuple[ConcatInPlace, ...],
+                  tensors: Tensors | None = None) -> CapturedGraph:
     """Allocate each concatenation before its first part, copy every part into its slice right after
     it is made (its later readers read the slice), and read the result through an alias made where the
-    concatenation was."""
+    concatenation was. ``tensors``: the :class:`Tensors` of ``graph`` when the caller has them (the
+    nodes that alias a replaced result are then read from them, not found by a walk of the graph)."""
     if not concats:
         return graph
+    # The nodes aliasing each replaced result (its views, in-place writes into it), in graph order.
+    aliasing = None
+    if tensors is not None:
+        aliasing = [member for concat in concats for sid in tensors.storages_of(concat.node)
+                    for member in tensors.storages[sid].members if member != concat.node]
     editor = GraphEditor(graph)
     by_name = {n.name: n for n in graph.gm.graph.nodes}
     order = {n.name: i for i, n in enumerate(graph.gm.graph.nodes)}
@@ -243,7 +250,11 @@ def apply_concats(graph: CapturedGraph, concats: tuple[ConcatInPlace, ...]) -> C
         moved.add(StorageWeakRef(out.untyped_storage()))
     # Views of the old results must alias the buffers: one walk in graph order for all of them (a walk
     # per concatenation was quadratic in the length of an unrolled loop).
-    for later in graph.gm.graph.nodes:
+    if aliasing is not None:
+        later_nodes = sorted((by_name[name] for name in set(aliasing)), key=lambda n: order[n.name])
+    else:
+        later_nodes = list(graph.gm.graph.nodes)
+    for later in later_nodes:
         if later.op == "call_function" and any(StorageWeakRef(v.untyped_storage()) in moved
                                                for _, v in tensor_values(later)):
             later.meta["val"] = fake_value(later.target, later.args, later.kwargs)
@@ -268,7 +279,7 @@ def concat(graph: CapturedGraph, ctx: PassContext) -> PassResult:
     if not concats:
         return PassResult(graph, changed=False, notes=("no concatenation whose parts may be copied in early lowers the timeline",))
     peak_before = ctx.am.get(PeakSimulation).peak
-    new = apply_concats(graph, concats)
+    new = apply_concats(graph, concats, ctx.am.get(Tensors))
     analyses = AnalysisManager(new)  # handed to the pipeline, which would compute them again
     peak_after = analyses.get(PeakSimulation).peak
     stats = PassStats(nodes_rewritten=len(concats), bytes_saved=peak_before - peak_after)

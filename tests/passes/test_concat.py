@@ -1,5 +1,7 @@
 """The concat pass: a cat/stack filled part by part, with equal outputs and gradients and a lower peak."""
 
+import dataclasses
+
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -7,6 +9,7 @@ from torch import nn
 
 from memplan.api import optimize
 from memplan.capture import capture
+from memplan.graphutil import copy_graph
 from memplan.measure import measure
 from memplan.pipeline import PassManager
 from memplan.steps import step_fn
@@ -131,3 +134,44 @@ def test_strided_slices_keep_their_readers():
 @given(seed=st.integers(0, 10_000), train=st.booleans())
 def test_random_programs_match_eager_never_rise_and_have_no_stale_read(seed, train):
     check_random_program("concat", seed, train)
+
+
+class ViewedResults(nn.Module):
+    """Results read through views (a transpose, a row, a reshape) and a view of a view."""
+
+    def forward(self, x):
+        s = torch.stack([torch.sin(x * i) for i in range(6)])
+        c = torch.cat([torch.cos(x + i) for i in range(3)], dim=1)
+        return s.transpose(0, 1).exp(), s[2] * 2, c.view(-1)[: x.numel()].tanh(), c.t()[1:].relu()
+
+
+def _layouts(graph):
+    """Every node's layout and which storage (as the analysis groups them) its tensors alias."""
+    from memplan.analysis.manager import AnalysisManager
+    from memplan.analysis.tensors import Tensors
+
+    tensors = AnalysisManager(graph).get(Tensors)
+    rows = {}
+    for node in graph.gm.graph.nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            rows[node.name] = (tuple(value.shape), value.stride(), value.storage_offset(), tensors.storages_of(node.name))
+    return rows
+
+
+def test_the_aliases_of_a_replaced_result_are_found_from_the_tensor_facts_as_by_a_walk():
+    from memplan.analysis.manager import AnalysisManager
+    from memplan.analysis.tensors import Tensors
+    from memplan.passes.concat import apply_concats, plan_concats
+
+    for model, x in ((ViewedResults(), torch.randn(8, 8)), (Recurrence(), torch.randn(6, 4, 64))):
+        for train in (False, True):
+            graph = dataclasses.replace(capture(model, x.requires_grad_(train), train=train), lifetimes="graph")
+            am = AnalysisManager(graph)
+            concats = plan_concats(graph, am)
+            assert concats, (type(model).__name__, train)
+            walked = apply_concats(copy_graph(graph), concats)
+            looked_up = apply_concats(copy_graph(graph), concats, am.get(Tensors))
+            assert _layouts(looked_up) == _layouts(walked)
+    optimized = optimize(ViewedResults(), passes="concat")
+    assert_equivalent(ViewedResults(), optimized, torch.randn(8, 8, requires_grad=True))
