@@ -206,15 +206,13 @@ def apply_concats(graph: CapturedGraph, concats: tuple[ConcatInPlace, ...],
                   tensors: Tensors | None = None) -> CapturedGraph:
     """Allocate each concatenation before its first part, copy every part into its slice right after
     it is made (its later readers read the slice), and read the result through an alias made where the
-    concatenation was. ``tensors``: the :class:`Tensors` of ``graph`` when the caller has them (the
-    nodes that alias a replaced result are then read from them, not found by a walk of the graph)."""
+    concatenation was. ``tensors``: the :class:`Tensors` of ``graph`` when the caller has them."""
     if not concats:
         return graph
-    # The nodes aliasing each replaced result (its views, in-place writes into it), in graph order.
-    aliasing = None
-    if tensors is not None:
-        aliasing = [member for concat in concats for sid in tensors.storages_of(concat.node)
-                    for member in tensors.storages[sid].members if member != concat.node]
+    tensors = tensors if tensors is not None else AnalysisManager(graph).get(Tensors)
+    # The nodes aliasing a replaced result (its views, in-place writes into it): their values move.
+    aliasing = {member for concat in concats for sid in tensors.storages_of(concat.node)
+                for member in tensors.storages[sid].members if member != concat.node}
     editor = GraphEditor(graph)
     by_name = {n.name: n for n in graph.gm.graph.nodes}
     order = {n.name: i for i, n in enumerate(graph.gm.graph.nodes)}
@@ -248,13 +246,9 @@ def apply_concats(graph: CapturedGraph, concats: tuple[ConcatInPlace, ...],
         node.replace_all_uses_with(result)
         editor.erase(node)
         moved.add(StorageWeakRef(out.untyped_storage()))
-    # Views of the old results must alias the buffers: one walk in graph order for all of them (a walk
-    # per concatenation was quadratic in the length of an unrolled loop).
-    if aliasing is not None:
-        later_nodes = sorted((by_name[name] for name in set(aliasing)), key=lambda n: order[n.name])
-    else:
-        later_nodes = list(graph.gm.graph.nodes)
-    for later in later_nodes:
+    # Views of the old results must alias the buffers: their values again, in graph order (an alias of
+    # an alias after it).
+    for later in sorted((by_name[name] for name in aliasing), key=lambda n: order[n.name]):
         if later.op == "call_function" and any(StorageWeakRef(v.untyped_storage()) in moved
                                                for _, v in tensor_values(later)):
             later.meta["val"] = fake_value(later.target, later.args, later.kwargs)
