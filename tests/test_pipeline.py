@@ -10,7 +10,9 @@ from memplan.analysis.peak import PeakSimulation, step_margin
 from memplan.analysis.tensors import Tensors
 from memplan.capture import Phase, capture
 from memplan.errors import PassError
-from memplan.pipeline import PassManager, PassResult, PassStats, parse_pipeline, register_pass, registered_passes, replay
+from memplan.pipeline import (
+    PassManager, PassResult, PassStats, parse_pipeline, register_pass, registered_passes, replay, verify,
+)
 
 
 def chain(x):
@@ -237,8 +239,6 @@ def _broken(kind):
     ("forward_reads_backward", r"forward node neg\w* reads backward node"),
 ])
 def test_verify_names_the_broken_invariant(kind, message):
-    from memplan.pipeline import verify
-
     graph = capture(chain, torch.randn(8, requires_grad=True))
     verify(dataclasses.replace(graph, lifetimes="graph"), AnalysisManager(graph))  # the captured graph is sound
     broken = _broken(kind)

@@ -7,10 +7,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from memplan.analysis.manager import AnalysisManager
+from memplan.analysis.tensors import Tensors
 from memplan.api import optimize
 from memplan.capture import capture
-from memplan.graphutil import copy_graph
+from memplan.graphutil import copy_graph, fake_value
 from memplan.measure import measure
+from memplan.passes.concat import apply_concats, plan_concats
 from memplan.pipeline import PassManager
 from memplan.steps import step_fn
 from memplan.testing import assert_equivalent
@@ -147,8 +150,6 @@ class ViewedResults(nn.Module):
 
 def _layouts(graph):
     """Every node's layout and which storage (as the analysis groups them) its tensors alias."""
-    from memplan.analysis.manager import AnalysisManager
-    from memplan.analysis.tensors import Tensors
 
     tensors = AnalysisManager(graph).get(Tensors)
     rows = {}
@@ -162,9 +163,6 @@ def _layouts(graph):
 def test_every_alias_of_a_replaced_result_aliases_its_buffer():
     """After the pass, each node's fake value is what its op makes of its arguments' values: the views
     of a replaced result (and views of those) alias the buffer, not the concatenation's old storage."""
-    from memplan.analysis.manager import AnalysisManager
-    from memplan.graphutil import fake_value
-    from memplan.passes.concat import apply_concats, plan_concats
 
     for model, x in ((ViewedResults(), torch.randn(8, 8)), (Recurrence(), torch.randn(6, 4, 64))):
         for train in (False, True):
