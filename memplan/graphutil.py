@@ -7,6 +7,7 @@ analyses read), a phase (forward or backward) and, where it can, the user's sour
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import weakref
 from collections.abc import Callable
@@ -59,13 +60,21 @@ def copy_graph(graph: CapturedGraph) -> CapturedGraph:
     generating code nobody reads took seconds per pass; reading ``gm.code`` or calling the module still
     generates it first.
     """
+    # fx's ``Graph.graph_copy`` makes each node with ``Graph.create_node``, whose walk of the arguments
+    # (a warning about symbolic values memplan's static graphs never hold) was a third of the copy.
     new = torch.fx.Graph()
     value_map: dict[torch.fx.Node, torch.fx.Node] = {}
-    output = new.graph_copy(graph.gm.graph, value_map)
-    new.output(output)
-    for old, copied in value_map.items():
+    lookup = value_map.__getitem__
+    for old in graph.gm.graph.nodes:
+        if old.op == "output":
+            new.output(torch.fx.map_arg(old.args[0], lookup))
+            break
+        copied = create_node(new, old.op, old.target, torch.fx.map_arg(old.args, lookup),
+                             torch.fx.map_arg(old.kwargs, lookup), old.name, old.type)
+        copied.meta = copy.copy(old.meta)
         if copied.name != old.name:
             raise AssertionError(f"graph copy renamed {old.name} to {copied.name}")
+        value_map[old] = copied
     return dataclasses.replace(graph, gm=_LazyGraphModule(graph.gm, new))
 
 

@@ -6,7 +6,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memplan.capture import capture
-from memplan.graphutil import create_node, rebuilt_value, wrap_fake
+from memplan.graphutil import copy_graph, create_node, rebuilt_value, wrap_fake
 
 
 def _state(t: FakeTensor) -> tuple:
@@ -56,3 +56,34 @@ def test_create_node_matches_fx():
     for x, y in zip(fx.nodes, ours.nodes):
         assert [u.name for u in x.users] == [u.name for u in y.users]
         assert [u.name for u in x.all_input_nodes] == [u.name for u in y.all_input_nodes]
+
+
+def test_copy_graph_matches_fx_graph_copy():
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+
+        def forward(self, x, y):
+            h = self.lin(x).relu()
+            parts = h.split([1, 2], dim=1)
+            return parts[0] * y.sum(dim=0, keepdim=True), torch.cat([parts[1], h], dim=1)
+
+    g = capture(Model(), torch.randn(5, 4), torch.randn(2, 1))
+    expected = torch.fx.Graph()
+    expected.output(expected.graph_copy(g.gm.graph, {}))
+    copied = copy_graph(g)
+    assert str(copied.gm.graph) == str(expected)
+    pairs = list(zip(g.gm.graph.nodes, copied.gm.graph.nodes, expected.nodes))
+    for old, ours, fx in pairs:
+        assert (ours.name, ours.op, ours.target, ours.type) == (fx.name, fx.op, fx.target, fx.type)
+        assert [u.name for u in ours.users] == [u.name for u in fx.users]
+        if old.op != "output":
+            assert ours.meta == old.meta and ours.meta is not old.meta  # values shared, the dict its own
+            assert ours.meta.get("val") is old.meta.get("val")
+    # the copy is the passes' to edit: the captured graph stays as it was
+    before = str(g.gm.graph)
+    relu = next(n for _, n, _ in pairs if n.op == "call_function" and "relu" in str(n.target))
+    relu.replace_all_uses_with(relu.args[0])
+    copied.gm.graph.erase_node(relu)
+    assert str(g.gm.graph) == before
