@@ -205,6 +205,11 @@ class RematOptions:
         Up to this many classes of expensive ops (same op on the same shapes, e.g. one ``mm`` per loop
         step), every subset is tried kept saved while everything else is recomputed; beyond it, growing
         prefixes by FLOPs. Rationale: the priced cuts only reach the convex hull of the trade-off.
+    bound : bool
+        Without a budget, simulate the cuts in the order of a lower bound on their peak (the saved
+        values, all alive when the backward starts) and skip those whose bound is above the lowest
+        peak simulated so far: the policy takes the lowest peak, so they cannot be chosen. Off: every
+        cut the policy may take is simulated (to list them all).
 
     Examples
     --------
@@ -218,6 +223,7 @@ class RematOptions:
     hoist_limits: tuple[int, ...] = (16,)
     max_nodes: int = 20000
     max_ban_classes: int = 4
+    bound: bool = True
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any]) -> "RematOptions":
@@ -1668,6 +1674,24 @@ class VirtualSimulation:
         """:meth:`peak` plus :func:`step_margin`: the peak ``memplan.measure`` reports for a training step."""
         return self.peak(reads, copies) + self.margin
 
+    def step_floor(self, saved: Iterable[str], reads: Sequence[StackRead] = ()) -> int:
+        """A lower bound on :meth:`step_peak` for a plan that saves ``saved`` (its forward values that the
+        backward or its copies read, stack reads included): the forward storages they alias are all alive
+        when the backward starts, since copies go into the backward, and so are those of the graph's
+        outputs. Values the ``reads`` serve are read from their stack instead (every reader is
+        redirected), so they do not count."""
+        served = {read.value for read in reads}
+        index, alias_ids, storages, creator = self.index, self.alias_ids, self.storages, self.creator
+        names, phases = self.names, self._phases
+        kept = [index[name] for name in saved if name in index and name not in served]
+        alive: set[int] = set()
+        for i in (*kept, *self.output_ids):
+            for sid in alias_ids[i]:
+                made = creator[sid]
+                if made >= 0 and not storages[sid].external and phases.get(names[made]) is Phase.FORWARD:
+                    alive.add(sid)
+        return sum(storages[sid].nbytes for sid in alive) + self.margin
+
     def peak(self, reads: Sequence[StackRead] = (), copies: CopyPlan | None = None) -> int:
         """Peak bytes of the graph with ``reads`` and ``copies`` applied (both planned on this graph)."""
         live = self._live(reads, copies)
@@ -1919,6 +1943,8 @@ def plan_remat(
 
     # Steps 3-4: cuts, each repaired for hoisting; one candidate per distinct recompute set.
     seen: set[frozenset[str]] = set()
+    bounded = options.bound and policy.budget is None
+    pending: list[tuple[int, int, RematPlan, CopyPlan, float, str]] = []  # (floor, order, ...) to simulate
     for label, recompute in _cut_sets(facts, options):
         if not recompute or recompute in seen:
             continue
@@ -1937,8 +1963,23 @@ def plan_remat(
         overhead = extra / max(1, facts.total_flops)
         if not policy.may_take(overhead):
             continue  # never taken (the plan keeping everything costs nothing): not simulated
-        # Step 5: simulate it.
-        candidates.append(Candidate(plan, simulation.step_peak(reads, copies), overhead, label))
+        if bounded:
+            pending.append((simulation.step_floor(plan.saved, reads), len(pending), plan, copies, overhead, label))
+        else:
+            # Step 5: simulate it.
+            candidates.append(Candidate(plan, simulation.step_peak(reads, copies), overhead, label))
+    # Step 5, bounded: lowest floor first, until a floor is above the lowest peak so far. A skipped
+    # plan peaks above a candidate the policy may take, so it is never chosen (a floor equal to that
+    # peak is simulated: the plan could tie on peak and win on overhead).
+    lowest = min(c.peak for c in candidates)
+    simulated = []
+    for floor, order, plan, copies, overhead, label in sorted(pending, key=lambda item: item[:2]):
+        if floor > lowest:
+            break
+        candidate = Candidate(plan, simulation.step_peak(reads, copies), overhead, label)
+        lowest = min(lowest, candidate.peak)
+        simulated.append((order, candidate))
+    candidates.extend(candidate for _, candidate in sorted(simulated, key=lambda item: item[0]))
 
     # Step 6: the policy chooses among the candidates no other beats on both peak and overhead.
     return policy.choose(pareto_front(candidates)), tuple(candidates)

@@ -23,6 +23,7 @@ from memplan.passes.remat import (
     CutNetwork,
     RematFacts,
     RematOptions,
+    VirtualSimulation,
     _reaches_sink_after_max_flow,
     apply_remat,
     min_cut,
@@ -39,7 +40,8 @@ from memplan.testing import assert_equivalent, random_model, zoo
 
 ZOO = list(zoo())
 
-EVERY = Policy(max_overhead=math.inf)  # a policy that may take any plan: every candidate is simulated
+EVERY = Policy(max_overhead=math.inf)  # a policy that may take any plan
+ALL = RematOptions(bound=False)  # with EVERY: every candidate is simulated
 
 
 def graph_of(model, inputs):
@@ -231,7 +233,7 @@ def test_the_virtual_simulation_is_the_simulated_peak_of_the_applied_graph():
     for name in ("latent_gru", "seq2seq", "blocks"):
         model, inputs = MODELS[name]()
         graph = graph_of(model, inputs)
-        _, candidates = plan_remat(graph, AnalysisManager(graph), EVERY)
+        _, candidates = plan_remat(graph, AnalysisManager(graph), EVERY, ALL)
         margin = step_margin(graph)
         for candidate in candidates:
             applied = apply_remat(graph_of(model, inputs), candidate.plan)
@@ -311,7 +313,7 @@ def measured(model, inputs):
 def test_budget_sweep_is_monotonic_and_holds_when_measured():
     model, inputs = small_gru()
     graph = graph_of(model, inputs)
-    _, candidates = plan_remat(graph, AnalysisManager(graph), EVERY)
+    _, candidates = plan_remat(graph, AnalysisManager(graph), EVERY, ALL)
     peaks = sorted({c.peak for c in candidates}, reverse=True)
     assert len(peaks) >= 3
     budgets = [peaks[0] + 1000] + peaks + [(a + b) // 2 for a, b in zip(peaks, peaks[1:])]
@@ -333,10 +335,10 @@ def test_plans_the_policy_can_never_take_are_not_simulated_and_the_choice_is_the
     for name in ("latent_gru", "seq2seq", "blocks"):
         model, inputs = MODELS[name]()
         graph = graph_of(model, inputs)
-        _, every = plan_remat(graph, AnalysisManager(graph), EVERY)
+        _, every = plan_remat(graph, AnalysisManager(graph), EVERY, ALL)
         for allowance in (0.05, 0.1, 0.3):
             policy = Policy(max_overhead=allowance)
-            chosen, candidates = plan_remat(graph, AnalysisManager(graph), policy)
+            chosen, candidates = plan_remat(graph, AnalysisManager(graph), policy, ALL)
             skipped += len(every) - len(candidates)
             assert all(c.overhead <= allowance for c in candidates), name
             assert {c.label for c in candidates} == {c.label for c in every if c.overhead <= allowance}, name
@@ -345,10 +347,40 @@ def test_plans_the_policy_can_never_take_are_not_simulated_and_the_choice_is_the
     assert skipped > 0  # some plan cost more than an allowance: the case the test is about
 
 
+def test_plans_whose_floor_is_above_a_simulated_peak_are_not_simulated_and_the_choice_is_the_same():
+    """The floor (the saved values, all alive when the backward starts) never exceeds a plan's simulated
+    peak, so a plan whose floor is above the lowest peak found is dropped unsimulated; the choice is
+    the one made among every candidate."""
+    def longer_gru():  # enough steps that the saved values alone outweigh the best plan's peak
+        torch.manual_seed(0)
+        return LatentGRU(8, 32), (torch.randn(20, 8, 8, requires_grad=True), torch.zeros(8, 32))
+
+    skipped = 0
+    for name, make in (("latent_gru", longer_gru), ("seq2seq", small_seq2seq), ("blocks", blocks)):
+        model, inputs = make()
+        graph = graph_of(model, inputs)
+        am = AnalysisManager(graph)
+        _, every = plan_remat(graph, am, EVERY, ALL)
+        simulation = VirtualSimulation(graph, am)
+        for candidate in every:
+            plan = candidate.plan
+            if plan.copies is not None:
+                assert simulation.step_floor(plan.saved, plan.stack_reads) <= candidate.peak, (name, candidate.label)
+        for allowance in (0.05, 0.3, math.inf):
+            policy = Policy(max_overhead=allowance)
+            chosen, candidates = plan_remat(graph, AnalysisManager(graph), policy)
+            allowed = [c for c in every if c.overhead <= allowance]
+            skipped += len(allowed) - len(candidates)
+            assert {c.label for c in candidates} <= {c.label for c in allowed}, name
+            best = policy.choose(pareto_front(allowed))
+            assert (chosen.label, chosen.peak) == (best.label, best.peak), name
+    assert skipped > 0  # some plan's floor was above a peak found: the case the test is about
+
+
 def test_too_small_a_budget_names_the_smallest_peak():
     model, inputs = small_gru()
     graph = graph_of(model, inputs)
-    _, candidates = plan_remat(graph, AnalysisManager(graph), EVERY)
+    _, candidates = plan_remat(graph, AnalysisManager(graph), EVERY, ALL)
     smallest = min(c.peak for c in candidates)
     with pytest.raises(MemplanError) as caught:
         optimize(model, passes="remat", budget=smallest - 1)(*inputs)
@@ -387,12 +419,18 @@ def test_random_graphs(seed, steps, max_overhead):
     graph = graph_of(model, inputs)
     am = AnalysisManager(graph)
     facts = RematFacts.compute(graph, am)
-    chosen, candidates = plan_remat(graph, am, Policy(max_overhead=max_overhead))
+    chosen, candidates = plan_remat(graph, am, Policy(max_overhead=max_overhead), ALL)
     # the policy: lowest peak within the overhead, never above keeping everything
     assert chosen.peak <= candidates[0].peak
     assert chosen.overhead <= max_overhead or chosen.overhead == 0.0
+    # skipping the plans whose floor is above a peak found changes nothing
+    bounded, _ = plan_remat(graph, am, Policy(max_overhead=max_overhead))
+    assert (bounded.label, bounded.peak) == (chosen.label, chosen.peak)
+    simulation = VirtualSimulation(graph, am)
     for candidate in candidates:
         plan = candidate.plan
+        if plan.copies is not None:
+            assert simulation.step_floor(plan.saved, plan.stack_reads) <= candidate.peak
         # nothing random, in place, or reading a storage written later is recomputed
         assert all(facts.nodes[n].recomputable for n in plan.recomputed)
         # the plan applies, verifies (lint, phases, no new in-place hazard) and simulates as predicted
