@@ -43,7 +43,10 @@ Stages
     ruler use, plus :func:`step_margin`, the step's own loss scalars): ``Candidate(plan, peak,
     overhead)`` with overhead = recomputed FLOPs / FLOPs of the whole graph. The untouched graph is a
     candidate. The set does not depend on the budget, so the chosen peak never rises when the budget
-    falls (AOTAutograd's does: pytorch/pytorch#197838).
+    falls (AOTAutograd's does: pytorch/pytorch#197838). Without a budget, candidates the policy can
+    never take are not simulated: those over ``max_overhead``, and those whose floor (the saved values
+    and the outputs, all alive when the backward starts: :meth:`VirtualSimulation.step_floor`) is above
+    the lowest peak simulated so far, taking the lowest floors first (``remat.bound``).
 (6) ``ctx.policy.choose`` picks among the Pareto-optimal candidates (a budget: least overhead that fits,
     else :class:`~memplan.errors.InfeasibleBudgetError` naming the smallest peak; none: lowest peak whose
     overhead is within ``max_overhead``), and :func:`apply_remat` applies it.
