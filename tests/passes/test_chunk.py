@@ -343,8 +343,13 @@ def test_generator_is_chunked_over_time_despite_shared_sequence_numbers():
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000))
 @example(seed=8302)  # squares a partial sum: mul(p, p)
+@example(seed=4342)  # sin of a squared exp: float32 rounding alone moves it past the tolerance
 def test_random_programs_are_untouched_or_equivalent(seed):
+    # In float64: a random program can be ill-conditioned enough that float32 rounding of a chunk's
+    # smaller matmuls (another kernel blocking, not another answer) exceeds the tolerance.
     model, inputs = random_model(seed, requires_grad_input=True)
+    model = model.double()
+    inputs = tuple(x.detach().double().requires_grad_(x.requires_grad) for x in inputs)
     opt = memplan.optimize(model, passes="chunk", **FORCE)
     assert_equivalent(model, opt, *inputs, **TOL)
     record = opt.plan.records[0]
