@@ -210,7 +210,7 @@ class RematOptions:
         prefixes by FLOPs. Rationale: the priced cuts only reach the convex hull of the trade-off.
     bound : bool
         Without a budget, simulate the cuts in the order of a lower bound on their peak (the saved
-        values, all alive when the backward starts) and skip those whose bound is above the lowest
+        values and the outputs, all alive when the backward starts) and skip those whose bound is above the lowest
         peak simulated so far: the policy takes the lowest peak, so they cannot be chosen. Off: every
         cut the policy may take is simulated (to list them all).
 
@@ -1966,18 +1966,15 @@ def plan_remat(
         overhead = extra / max(1, facts.total_flops)
         if not policy.may_take(overhead):
             continue  # never taken (the plan keeping everything costs nothing): not simulated
-        if bounded:
-            pending.append((simulation.step_floor(plan.saved, reads), len(pending), plan, copies, overhead, label))
-        else:
-            # Step 5: simulate it.
-            candidates.append(Candidate(plan, simulation.step_peak(reads, copies), overhead, label))
-    # Step 5, bounded: lowest floor first, until a floor is above the lowest peak so far. A skipped
-    # plan peaks above a candidate the policy may take, so it is never chosen (a floor equal to that
-    # peak is simulated: the plan could tie on peak and win on overhead).
+        floor = simulation.step_floor(plan.saved, reads) if bounded else 0
+        pending.append((floor, len(pending), plan, copies, overhead, label))
+    # Step 5: simulate them, lowest floor first (in order when unbounded), until a floor is above the
+    # lowest peak so far. A skipped plan peaks above a candidate the policy may take, so it is never
+    # chosen (a floor equal to that peak is simulated: the plan could tie on peak and win on overhead).
     lowest = min(c.peak for c in candidates)
     simulated = []
     for floor, order, plan, copies, overhead, label in sorted(pending, key=lambda item: item[:2]):
-        if floor > lowest:
+        if bounded and floor > lowest:
             break
         candidate = Candidate(plan, simulation.step_peak(reads, copies), overhead, label)
         lowest = min(lowest, candidate.peak)
