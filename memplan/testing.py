@@ -3,11 +3,13 @@
 - :func:`random_model`: a seeded generator of small random programs (pointwise ops, matmuls,
   reductions, views, broadcasts, in-place updates, concatenations) as ordinary ``nn.Module``s.
 - :func:`assert_equivalent`: outputs *and* gradients of two models agree.
+- :func:`is_well_conditioned`: whether a model's rounding error stays small enough for such a comparison.
 - :func:`zoo`: small models of the common shapes (MLP, conv net, unrolled RNN, attention block).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import random
 from collections.abc import Callable, Iterator, Sequence
@@ -17,7 +19,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-__all__ = ["Instruction", "RandomProgram", "random_model", "assert_equivalent", "zoo", "ZooModel"]
+__all__ = ["Instruction", "RandomProgram", "random_model", "assert_equivalent", "is_well_conditioned", "zoo", "ZooModel"]
 
 _UNARY = ("exp", "sin", "tanh", "relu", "sigmoid", "neg", "square")
 _BINARY = ("add", "mul", "sub")
@@ -224,6 +226,43 @@ def assert_equivalent(
             torch.testing.assert_close(b, a, rtol=rtol, atol=atol)
         except AssertionError as e:
             raise AssertionError(f"gradient of {name} differs:\n{e}") from None
+
+
+def is_well_conditioned(model: nn.Module, *inputs: torch.Tensor, rtol: float = 1e-2, atol: float = 1e-3) -> bool:
+    """Whether float32 rounding moves the model's outputs and gradients less than ``rtol``/``atol``
+    away from a float64 run of the same model.
+
+    Two equivalent programs (a matmul split into row blocks, a sum in another order) round
+    differently. A well-conditioned model keeps that difference near the dtype's epsilon, so
+    :func:`assert_equivalent` can hold them to a tight tolerance. An ill-conditioned one (the sine of
+    a large exponential, say) amplifies it past any fixed tolerance, even in float64. A random test
+    should skip such models rather than loosen its tolerance for all of them. So should it skip a model
+    whose float64 outputs or gradients are not finite (an overflowed exponential, its NaN gradient).
+    The model is deep-copied; both runs take the same upstream gradient and the same RNG seed.
+
+    Examples
+    --------
+    >>> is_well_conditioned(torch.nn.Linear(3, 2), torch.randn(4, 3))
+    True
+    """
+    runs = []
+    for dtype in (torch.float32, torch.float64):
+        copied = copy.deepcopy(model).to(dtype)
+        xs = [
+            x.detach().to(dtype).requires_grad_(x.requires_grad) if x.is_floating_point() else x for x in inputs
+        ]
+        torch.manual_seed(0)
+        out = [t for t in pytree.tree_leaves(copied(*xs)) if isinstance(t, torch.Tensor)]
+        diff = [t for t in out if t.requires_grad]
+        gen = torch.Generator().manual_seed(1)
+        tangents = [torch.randn(t.shape, generator=gen).to(dtype) for t in diff]
+        leaves = [x for x in xs if x.requires_grad] + [p for p in copied.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(diff, leaves, tangents, allow_unused=True) if diff and leaves else ()
+        runs.append([t.detach() for t in out] + [g for g in grads if g is not None])
+    return all(
+        bool(torch.isfinite(b).all() and torch.isclose(a.double(), b, rtol=rtol, atol=atol).all())
+        for a, b in zip(*runs, strict=True)
+    )
 
 
 def _leaf_names(model: Any, inputs: Sequence[Any]) -> list[str]:

@@ -21,7 +21,7 @@ from memplan.passes.schedule import STRATEGIES, SchedulePlan, ScheduleProblem, a
 from memplan.graphutil import mutated_args
 from memplan.pipeline import PassManager
 from memplan.steps import step_fn
-from memplan.testing import assert_equivalent, random_model, zoo
+from memplan.testing import assert_equivalent, is_well_conditioned, random_model, zoo
 
 EXAMPLES = [examples.make(name) for name in examples.WORKLOADS]
 ZOO = list(zoo())
@@ -250,6 +250,8 @@ def test_random_programs_keep_every_constraint_and_never_rise(seed, train, steps
     result = run(graph, "inplace,schedule")
     check_order(reference, result.graph)
     assert peak(result.graph) <= before
+    if not is_well_conditioned(model, *inputs):
+        return  # its rounding error, or an overflow to NaN, is past any tolerance
     if train:
         assert_equivalent(model, optimize(model, passes="inplace,schedule"), *inputs)
     else:
