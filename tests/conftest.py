@@ -1,1 +1,10 @@
+from hypothesis import settings
+
 pytest_plugins = ["pytester"]
+
+# The plain test run draws the same examples on every machine and every run, so a failure is the
+# change's, and the command that failed reproduces it. `--hypothesis-profile=explore` draws new
+# examples on each run: the way to look for bugs that the fixed ones miss.
+settings.register_profile("repeatable", derandomize=True, database=None)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile("repeatable")
