@@ -261,6 +261,7 @@ def is_well_conditioned(model: nn.Module, *inputs: torch.Tensor, rtol: float = 1
         runs.append([t.detach() for t in out] + [g for g in grads if g is not None])
     return all(
         bool(torch.isfinite(b).all() and torch.isclose(a.double(), b, rtol=rtol, atol=atol).all())
+        if b.is_floating_point() else torch.equal(a, b)  # indices, counts
         for a, b in zip(*runs, strict=True)
     )
 
