@@ -58,7 +58,7 @@ from torch import nn
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import disable_autocast_cache
 
-from memplan._capture.tracer import Tracer, new_fake_mode
+from memplan._capture.tracer import Tracer, new_fake_mode, quiet_meta_failures
 from memplan.errors import CaptureError, UnsupportedInputError
 from memplan.opschema import is_view_op, mutated_args
 
@@ -411,6 +411,7 @@ def capture(
             fx_traceback.preserve_node_meta(),
             _use_lazy_graph_module(True),
             disable_autocast_cache(),
+            quiet_meta_failures(),  # an op that fails is re-raised below, naming the user's line
         ):
             flat = tracer.placeholders(real_flat)
             with tracer:

@@ -47,7 +47,9 @@ static-shape trace never makes.
 from __future__ import annotations
 
 import contextlib
+import logging
 import operator
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -63,7 +65,7 @@ from torch.utils._python_dispatch import (
     autograd_would_have_decomposed,
 )
 
-__all__ = ["Tracer", "new_fake_mode"]
+__all__ = ["Tracer", "new_fake_mode", "quiet_meta_failures"]
 
 aten = torch.ops.aten
 _DEVICE_QUERY = torch.ops.prim.device.default
@@ -93,6 +95,42 @@ def new_fake_mode() -> FakeTensorMode:
         return FakeTensorMode(
             allow_fallback_kernels=True, allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True
         )
+
+
+class _MetaFailureFilter(logging.Filter):
+    """Drops the fake tensor mode's traceback of a meta kernel that raised, inside
+    :func:`quiet_meta_failures` on this thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = threading.local()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(self.state, "depth", 0)
+
+
+_META_FAILURES = _MetaFailureFilter()
+logging.getLogger("torch._subclasses.fake_tensor").addFilter(_META_FAILURES)
+
+
+@contextlib.contextmanager
+def quiet_meta_failures() -> Iterator[None]:
+    """Silence the fake tensor mode's error log for the meta kernels that raise inside the block.
+
+    The mode logs a full traceback at ERROR level whenever an op's meta kernel raises (two shapes
+    that do not broadcast, say), and then raises. Where memplan catches that error, because it was
+    probing whether an op applies or because it turns the error into its own that names the user's
+    line, the log is noise in the user's terminal; the exception itself still propagates.
+
+    >>> with quiet_meta_failures():
+    ...     pass
+    """
+    state = _META_FAILURES.state
+    state.depth = getattr(state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        state.depth -= 1
 
 
 class _Op:

@@ -105,6 +105,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from memplan._capture.tracer import quiet_meta_failures
 from memplan.analysis.liveness import Liveness
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation, live_steps
@@ -1474,7 +1475,8 @@ def _evaluate(graph: CapturedGraph, region: ChunkRegion, sizes: list[int], base_
     """
     finals = {} if finals is None else finals
     try:
-        applied = _apply_region(graph, dataclasses.replace(region, chunk=sizes[0]), compile=False)
+        with quiet_meta_failures():
+            applied = _apply_region(graph, dataclasses.replace(region, chunk=sizes[0]), compile=False)
     except (RuntimeError, ValueError, TypeError, IndexError):
         # a body that does not trace at this size (the rules missed a constraint): not a candidate
         return []
@@ -1513,13 +1515,15 @@ def _evaluate(graph: CapturedGraph, region: ChunkRegion, sizes: list[int], base_
     if options.nest and candidates and not stopped and within:
         finest = candidates[-1]  # nesting only adds overhead: not when the finest is already over
         try:
-            swap = applied.loops_for(finest.plan.chunk)
+            with quiet_meta_failures():
+                swap = applied.loops_for(finest.plan.chunk)
         except (RuntimeError, ValueError, TypeError, IndexError):
             return candidates
         nested = _nested_variant(swap, finest, options, policy, base_cost)
         if nested is not None:
             try:
-                new = _apply_region(graph, nested, compile=False).graph
+                with quiet_meta_failures():
+                    new = _apply_region(graph, nested, compile=False).graph
             except (RuntimeError, ValueError, TypeError, IndexError):
                 return candidates
             peak = AnalysisManager(new).get(PeakSimulation).peak
