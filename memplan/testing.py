@@ -238,7 +238,8 @@ def is_well_conditioned(model: nn.Module, *inputs: torch.Tensor, rtol: float = 1
     a large exponential, say) amplifies it past any fixed tolerance, even in float64. A random test
     should skip such models rather than loosen its tolerance for all of them. So should it skip a model
     whose float64 outputs or gradients are not finite (an overflowed exponential, its NaN gradient).
-    The model is deep-copied; both runs take the same upstream gradient and the same RNG seed.
+    The model is deep-copied; both runs take the same upstream gradient and the same RNG seed, and
+    the caller's RNG state is left as it was.
 
     Examples
     --------
@@ -251,11 +252,12 @@ def is_well_conditioned(model: nn.Module, *inputs: torch.Tensor, rtol: float = 1
         xs = [
             x.detach().to(dtype).requires_grad_(x.requires_grad) if x.is_floating_point() else x for x in inputs
         ]
-        torch.manual_seed(0)
-        out = [t for t in pytree.tree_leaves(copied(*xs)) if isinstance(t, torch.Tensor)]
+        with torch.random.fork_rng():  # the caller's RNG state is left as it was
+            torch.manual_seed(0)
+            out = [t for t in pytree.tree_leaves(copied(*xs)) if isinstance(t, torch.Tensor)]
         diff = [t for t in out if t.requires_grad]
         gen = torch.Generator().manual_seed(1)
-        tangents = [torch.randn(t.shape, generator=gen).to(dtype) for t in diff]
+        tangents = [torch.randn(t.shape, generator=gen).to(t.device, dtype) for t in diff]
         leaves = [x for x in xs if x.requires_grad] + [p for p in copied.parameters() if p.requires_grad]
         grads = torch.autograd.grad(diff, leaves, tangents, allow_unused=True) if diff and leaves else ()
         runs.append([t.detach() for t in out] + [g for g in grads if g is not None])

@@ -25,6 +25,15 @@ def test_is_well_conditioned_tells_rounding_amplifiers_and_overflows_from_the_re
     assert sum(is_well_conditioned(*_flat(random_model(s, requires_grad_input=True))) for s in range(20)) >= 18
 
 
+def test_is_well_conditioned_leaves_the_rng_alone():
+    x = torch.rand(8, 4)
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    assert is_well_conditioned(Fn(lambda v: torch.nn.functional.dropout(v, 0.5)), x)  # same mask in both runs
+    assert torch.equal(torch.rand(3), expected)
+
+
 def _flat(pair):
     model, inputs = pair
     return (model, *inputs)
