@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -108,8 +108,7 @@ MODELS = {
 def test_outputs_and_gradients_match(name, max_overhead):
     model, inputs = MODELS[name]()
     opt = optimize(model, passes="remat", max_overhead=max_overhead)
-    if is_well_conditioned(model, *inputs):  # not one that overflows to NaN gradients, say
-        assert_equivalent(model, opt, *inputs)
+    assert_equivalent(model, opt, *inputs)
 
 
 def test_dropout_is_never_recomputed():
@@ -415,6 +414,7 @@ def test_inference_graphs_are_left_alone():
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), steps=st.integers(4, 16), max_overhead=st.sampled_from([0.0, 0.3, 10.0]))
+@example(seed=5289, steps=13, max_overhead=0.0)  # eager overflows to inf: the invariants hold, values are not compared
 def test_random_graphs(seed, steps, max_overhead):
     model, inputs = random_model(seed, steps=steps, requires_grad_input=True)
     graph = graph_of(model, inputs)
@@ -448,10 +448,11 @@ def test_random_graphs(seed, steps, max_overhead):
     if is_well_conditioned(model, *inputs):  # not one that overflows to NaN gradients, say
         assert_equivalent(model, opt, *inputs)
     # the ruler agrees with the simulation, up to the step's own loss scalars (step_margin)
+    peak = measured(opt, inputs)  # the first call plans
     planned = opt.plan.planned_peak
     # remat adds no prediction error of its own: the same program without passes has the same gap
     # between ruler and plan (zero, up to the step's loss scalars, except where a gradient's run-time
     # layout differs in a way capture does not examine: three or more tangents, some broadcast)
     plain = optimize(model, passes="", max_overhead=max_overhead)
     gap = measured(plain, inputs) - plain.plan.planned_peak
-    assert planned <= measured(opt, inputs) <= planned + max(gap, step_margin(opt.plan.graph))
+    assert planned <= peak <= planned + max(gap, step_margin(opt.plan.graph))

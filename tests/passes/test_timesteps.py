@@ -100,8 +100,7 @@ def measured(model, inputs):
 def test_outputs_and_gradients_match(name, max_overhead):
     model, inputs = MODELS[name]()
     opt = optimize(model, passes="timesteps", max_overhead=max_overhead)
-    if is_well_conditioned(model, *inputs):  # not one whose loop overflows to NaN gradients, say
-        assert_equivalent(model, opt, *inputs)
+    assert_equivalent(model, opt, *inputs)
 
 
 def test_dropout_inside_the_loop_is_saved_not_redrawn():
@@ -278,5 +277,6 @@ def test_random_loops(seed, ops, steps, stack, max_overhead):
     opt = optimize(model, passes="timesteps", max_overhead=max_overhead)
     if is_well_conditioned(model, *inputs):  # not one whose loop overflows to NaN gradients, say
         assert_equivalent(model, opt, *inputs)
+    peak = measured(opt, inputs)  # the first call plans
     planned = opt.plan.planned_peak
-    assert planned <= measured(opt, inputs) <= planned + step_margin(opt.plan.graph)
+    assert planned <= peak <= planned + step_margin(opt.plan.graph)
