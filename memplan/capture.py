@@ -36,7 +36,6 @@ source line of the forward op whose derivative it computes.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import functools

@@ -97,7 +97,6 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -1475,8 +1474,7 @@ def _evaluate(graph: CapturedGraph, region: ChunkRegion, sizes: list[int], base_
     """
     finals = {} if finals is None else finals
     try:
-        with quiet_meta_failures():
-            applied = _apply_region(graph, dataclasses.replace(region, chunk=sizes[0]), compile=False)
+        applied = _apply_region(graph, dataclasses.replace(region, chunk=sizes[0]), compile=False)
     except (RuntimeError, ValueError, TypeError, IndexError):
         # a body that does not trace at this size (the rules missed a constraint): not a candidate
         return []
@@ -1515,15 +1513,13 @@ def _evaluate(graph: CapturedGraph, region: ChunkRegion, sizes: list[int], base_
     if options.nest and candidates and not stopped and within:
         finest = candidates[-1]  # nesting only adds overhead: not when the finest is already over
         try:
-            with quiet_meta_failures():
-                swap = applied.loops_for(finest.plan.chunk)
+            swap = applied.loops_for(finest.plan.chunk)
         except (RuntimeError, ValueError, TypeError, IndexError):
             return candidates
         nested = _nested_variant(swap, finest, options, policy, base_cost)
         if nested is not None:
             try:
-                with quiet_meta_failures():
-                    new = _apply_region(graph, nested, compile=False).graph
+                new = _apply_region(graph, nested, compile=False).graph
             except (RuntimeError, ValueError, TypeError, IndexError):
                 return candidates
             peak = AnalysisManager(new).get(PeakSimulation).peak
@@ -1672,7 +1668,9 @@ def _plan(
                 fewest = -(-region.units // sizes[0])
                 if policy.budget is None and _overhead_bound(current, variant, opts.rates, fewest) > policy.max_overhead * base_cost:
                     continue
-                candidates.extend(_evaluate(current, variant, sizes, base_cost, opts, policy, finals))
+                # a variant whose body does not trace is dropped: torch's log of the failing op is noise
+                with quiet_meta_failures():
+                    candidates.extend(_evaluate(current, variant, sizes, base_cost, opts, policy, finals))
         try:
             best = policy.choose(candidates)
         except InfeasibleBudgetError:
