@@ -1,3 +1,6 @@
+import logging
+
+import pytest
 from hypothesis import settings
 
 pytest_plugins = ["pytester"]
@@ -8,3 +11,16 @@ pytest_plugins = ["pytester"]
 settings.register_profile("repeatable", derandomize=True, database=None)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile("repeatable")
+
+
+@pytest.fixture
+def fake_tensor_log():
+    """The records torch's fake tensor module logs during the test (its logger does not propagate to
+    the root logger, so ``caplog`` misses them)."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)

@@ -119,36 +119,18 @@ def test_data_dependent_control_flow_names_the_line_and_suggests_eager_fallback(
     assert 'fallback="eager"' in message
 
 
-class FakeTensorLog(logging.Handler):
-    """Records what torch's fake tensor module logs (it does not propagate to the root logger)."""
-
-    def __init__(self):
-        super().__init__()
-        self.records = []
-
-    def emit(self, record):
-        self.records.append(record)
-
-    def __enter__(self):
-        logging.getLogger("torch._subclasses.fake_tensor").addHandler(self)
-        return self
-
-    def __exit__(self, *exc):
-        logging.getLogger("torch._subclasses.fake_tensor").removeHandler(self)
-
-
-def test_a_shape_error_raises_memplans_error_without_torchs_traceback_in_the_log():
+def test_a_shape_error_raises_memplans_error_without_torchs_traceback_in_the_log(fake_tensor_log):
     def mismatched(x, y):
         return x + y  # (3, 4) + (5, 4): no broadcast
 
-    with FakeTensorLog() as log, pytest.raises(CaptureError) as info:
+    with pytest.raises(CaptureError) as info:
         capture(mismatched, torch.randn(3, 4), torch.randn(5, 4))
     assert "return x + y" in str(info.value)
-    assert log.records == []
+    assert fake_tensor_log == []
     # outside memplan the fake mode still logs such a failure
-    with FakeTensorLog() as log, new_fake_mode(), pytest.raises(RuntimeError):
+    with new_fake_mode(), pytest.raises(RuntimeError):
         torch.empty(3, 4) + torch.empty(5, 4)
-    assert [r.levelno for r in log.records] == [logging.ERROR]
+    assert [r.levelno for r in fake_tensor_log] == [logging.ERROR]
 
 
 def test_non_tensor_leaf_is_rejected_with_a_fix():
