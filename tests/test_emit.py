@@ -106,3 +106,109 @@ def test_modules_are_built_when_read():
     forward = emitted.forward
     assert emitted.forward is forward and emitted.backward is not None
     assert "tanh" in opt.code
+
+
+# -- torch's Python bindings ------------------------------------------------------------------------
+
+
+def _captured_nodes(fn, *inputs):
+    from memplan.capture import capture
+
+    graph = capture(fn, *inputs)
+    return [n for n in graph.gm.graph.nodes if n.op == "call_function"], graph
+
+
+def _ops(nodes):
+    return {n.target for n in nodes if isinstance(n.target, torch._ops.OpOverload)}
+
+
+def test_bindings_are_taken_only_where_they_make_the_operators_own_call(monkeypatch):
+    """A candidate binding is taken when it reaches the operator with the same tensors and values, and
+    refused when it swaps its arguments, reaches another operator first, or warns."""
+    monkeypatch.setattr(emit_module, "_BINDING_CACHE", {})
+    nodes, _ = _captured_nodes(lambda x, y: (x + y) * y, torch.randn(3), torch.randn(3))
+    add, mul = torch.ops.aten.add.Tensor, torch.ops.aten.mul.Tensor
+    assert {add, mul} <= _ops(nodes)
+
+    class Homes:
+        @staticmethod
+        def add(a, b, **kwargs):  # swaps its tensors: another call
+            return add(b, a, **kwargs)
+
+        @staticmethod
+        def mul(a, b):  # reaches another operator first
+            return torch.ops.aten.mul.Tensor(torch.ops.aten.neg.default(a), b)
+
+    monkeypatch.setattr(emit_module, "_BINDING_HOMES", (Homes,))
+    assert emit_module.python_bindings(nodes) == {}
+
+    class Warns:
+        @staticmethod
+        def add(a, b, **kwargs):
+            import warnings
+
+            warnings.warn("deprecated", UserWarning)
+            return add(a, b, **kwargs)
+
+        mul = staticmethod(torch.mul)
+
+    monkeypatch.setattr(emit_module, "_BINDING_CACHE", {})
+    monkeypatch.setattr(emit_module, "_BINDING_HOMES", (Warns,))
+    assert emit_module.python_bindings(nodes) == {mul: torch.mul}
+
+
+def test_an_operator_called_with_arguments_its_binding_refuses_keeps_its_own_call(monkeypatch):
+    """Every kind of call an operator receives must pass: one that does not refuses the operator."""
+    monkeypatch.setattr(emit_module, "_BINDING_CACHE", {})
+    nodes, _ = _captured_nodes(lambda x, y: x + y + 2.0, torch.randn(3), torch.randn(3))
+    add = torch.ops.aten.add.Tensor
+    assert sum(n.target is add for n in nodes) == 2
+
+    class TensorsOnly:
+        @staticmethod
+        def add(a, b):
+            if not isinstance(b, torch.Tensor):
+                raise TypeError("add takes tensors")
+            return add(a, b)
+
+    monkeypatch.setattr(emit_module, "_BINDING_HOMES", (TensorsOnly,))
+    assert add not in emit_module.python_bindings(nodes)
+    assert add in emit_module.python_bindings([n for n in nodes if all(isinstance(a, torch.fx.Node) for a in n.args)])
+
+
+def test_nodes_without_fake_values_keep_the_operators_own_call(monkeypatch):
+    monkeypatch.setattr(emit_module, "_BINDING_CACHE", {})
+    nodes, _ = _captured_nodes(lambda x: x.exp(), torch.randn(3))
+    assert torch.ops.aten.exp.default in emit_module.python_bindings(nodes)
+    monkeypatch.setattr(emit_module, "_BINDING_CACHE", {})
+    for n in nodes:
+        for a in n.all_input_nodes:
+            a.meta.pop("val", None)
+    assert emit_module.python_bindings(nodes) == {}
+
+
+def _outputs_and_grads(opt, model, inputs):
+    torch.manual_seed(1)
+    leaves = [x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in inputs]
+    flat = [o for o in torch.utils._pytree.tree_leaves(opt(*leaves)) if isinstance(o, torch.Tensor)]
+    loss = sum(o.float().sum() for o in flat if o.requires_grad)
+    wrt = [p for p in model.parameters() if p.requires_grad] + [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+    grads = torch.autograd.grad(loss, wrt, allow_unused=True) if isinstance(loss, torch.Tensor) else ()
+    return flat + list(grads)
+
+
+@pytest.mark.parametrize("name,model,inputs", MODELS, ids=[m[0] for m in MODELS])
+def test_code_with_bindings_computes_what_the_operators_compute(name, model, inputs, monkeypatch):
+    """The same plan run with torch's bindings and with every operator's own call: equal bit for bit."""
+    found = []
+    bindings = emit_module.python_bindings
+    monkeypatch.setattr(emit_module, "python_bindings", lambda nodes: found.append(bindings(nodes)) or found[-1])
+    with_bindings = memplan.optimize(model)
+    _outputs_and_grads(with_bindings, model, inputs)  # plans, and builds every runner (loops build theirs when they first run)
+    assert any(found), "no operator of the plan was bound"
+    monkeypatch.setattr(emit_module, "python_bindings", lambda nodes: {})
+    without = memplan.optimize(model)
+    for a, b in zip(_outputs_and_grads(with_bindings, model, inputs), _outputs_and_grads(without, model, inputs), strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a, b)
