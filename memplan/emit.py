@@ -409,24 +409,24 @@ def _binding(operator: torch._ops.OpOverload, node: torch.fx.Node) -> Callable |
     key = (operator, _kind(node.args), tuple((k, _kind(v)) for k, v in node.kwargs.items()))
     if key in _BINDING_CACHE:
         return _BINDING_CACHE[key]
-    found = None
     try:
         args = [_example(a) for a in node.args]
         kwargs = {k: _example(v) for k, v in node.kwargs.items()}
     except KeyError:
-        args = None
-    if args is not None:
-        reference = _dispatched(operator._op, args, kwargs)
-        if reference is not None and reference[0] is operator:
-            name = operator._schema.name.split("::")[-1]
-            for home in _BINDING_HOMES:
-                candidate = getattr(home, name, None)
-                if candidate is None:
-                    continue
-                call = _dispatched(candidate, args, kwargs)
-                if call is not None and _same_call(call, reference):
-                    found = candidate
-                    break
+        return None
+    reference = _dispatched(operator._op, args, kwargs)
+    if reference is None or reference[0] is not operator:
+        return None  # the context (autocast, a mode) reached something else first: not cached
+    found = None
+    name = operator._schema.name.split("::")[-1]
+    for home in _BINDING_HOMES:
+        candidate = getattr(home, name, None)
+        if candidate is None:
+            continue
+        call = _dispatched(candidate, args, kwargs)
+        if call is not None and _same_call(call, reference):
+            found = candidate
+            break
     _BINDING_CACHE[key] = found
     return found
 

@@ -212,3 +212,15 @@ def test_code_with_bindings_computes_what_the_operators_compute(name, model, inp
         assert (a is None) == (b is None)
         if a is not None:
             assert torch.equal(a, b)
+
+
+def test_a_context_that_reaches_another_operator_first_is_not_remembered(monkeypatch):
+    """Under autocast an operator's own call first casts its inputs: no binding then, and the answer
+    is not cached, so the same call outside autocast still gets its binding."""
+    monkeypatch.setattr(emit_module, "_BINDING_CACHE", {})
+    nodes, _ = _captured_nodes(lambda a, b: a @ b, torch.randn(4, 4), torch.randn(4, 4))
+    mm = torch.ops.aten.mm.default
+    assert mm in _ops(nodes)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert mm not in emit_module.python_bindings(nodes)
+    assert mm in emit_module.python_bindings(nodes)
