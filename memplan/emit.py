@@ -283,7 +283,7 @@ def fast_callable(gm: torch.fx.GraphModule) -> Callable[[list[Any]], Any]:
 
 
 def _runner(
-    root: torch.nn.Module, src: str, globals_: dict[str, Any], name: str, nodes: Iterable[torch.fx.Node] = ()
+    root: torch.nn.Module, src: str, globals_: dict[str, Any], name: str, nodes: Iterable[torch.fx.Node]
 ) -> Callable[[list[Any]], Any]:
     """Compile the boxed function ``forward(self, args_list)`` in ``src`` with its operators bound (see
     :func:`fast_callable`; ``nodes`` are the calls the code makes, which choose the bindings), and call it

@@ -5,6 +5,8 @@ modules only when they are read. These tests compare that code with fx's own (``
 modules), check what happens where the direct code generation steps aside, and that plans still run.
 """
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -12,6 +14,7 @@ from torch import nn
 import memplan
 import memplan.emit as emit_module
 import memplan.examples as examples
+from memplan.capture import capture
 from memplan.testing import assert_equivalent, random_model, zoo
 
 
@@ -112,10 +115,7 @@ def test_modules_are_built_when_read():
 
 
 def _captured_nodes(fn, *inputs):
-    from memplan.capture import capture
-
-    graph = capture(fn, *inputs)
-    return [n for n in graph.gm.graph.nodes if n.op == "call_function"], graph
+    return [n for n in capture(fn, *inputs).gm.graph.nodes if n.op == "call_function"]
 
 
 def _ops(nodes):
@@ -126,7 +126,7 @@ def test_bindings_are_taken_only_where_they_make_the_operators_own_call(monkeypa
     """A candidate binding is taken when it reaches the operator with the same tensors and values, and
     refused when it swaps its arguments, reaches another operator first, or warns."""
     monkeypatch.setattr(emit_module, "_BINDING_CACHE", {})
-    nodes, _ = _captured_nodes(lambda x, y: (x + y) * y, torch.randn(3), torch.randn(3))
+    nodes = _captured_nodes(lambda x, y: (x + y) * y, torch.randn(3), torch.randn(3))
     add, mul = torch.ops.aten.add.Tensor, torch.ops.aten.mul.Tensor
     assert {add, mul} <= _ops(nodes)
 
@@ -145,8 +145,6 @@ def test_bindings_are_taken_only_where_they_make_the_operators_own_call(monkeypa
     class Warns:
         @staticmethod
         def add(a, b, **kwargs):
-            import warnings
-
             warnings.warn("deprecated", UserWarning)
             return add(a, b, **kwargs)
 
@@ -160,7 +158,7 @@ def test_bindings_are_taken_only_where_they_make_the_operators_own_call(monkeypa
 def test_an_operator_called_with_arguments_its_binding_refuses_keeps_its_own_call(monkeypatch):
     """Every kind of call an operator receives must pass: one that does not refuses the operator."""
     monkeypatch.setattr(emit_module, "_BINDING_CACHE", {})
-    nodes, _ = _captured_nodes(lambda x, y: x + y + 2.0, torch.randn(3), torch.randn(3))
+    nodes = _captured_nodes(lambda x, y: x + y + 2.0, torch.randn(3), torch.randn(3))
     add = torch.ops.aten.add.Tensor
     assert sum(n.target is add for n in nodes) == 2
 
@@ -178,7 +176,7 @@ def test_an_operator_called_with_arguments_its_binding_refuses_keeps_its_own_cal
 
 def test_nodes_without_fake_values_keep_the_operators_own_call(monkeypatch):
     monkeypatch.setattr(emit_module, "_BINDING_CACHE", {})
-    nodes, _ = _captured_nodes(lambda x: x.exp(), torch.randn(3))
+    nodes = _captured_nodes(lambda x: x.exp(), torch.randn(3))
     assert torch.ops.aten.exp.default in emit_module.python_bindings(nodes)
     monkeypatch.setattr(emit_module, "_BINDING_CACHE", {})
     for n in nodes:
@@ -218,7 +216,7 @@ def test_a_context_that_reaches_another_operator_first_is_not_remembered(monkeyp
     """Under autocast an operator's own call first casts its inputs: no binding then, and the answer
     is not cached, so the same call outside autocast still gets its binding."""
     monkeypatch.setattr(emit_module, "_BINDING_CACHE", {})
-    nodes, _ = _captured_nodes(lambda a, b: a @ b, torch.randn(4, 4), torch.randn(4, 4))
+    nodes = _captured_nodes(lambda a, b: a @ b, torch.randn(4, 4), torch.randn(4, 4))
     mm = torch.ops.aten.mm.default
     assert mm in _ops(nodes)
     with torch.autocast("cpu", dtype=torch.bfloat16):
