@@ -36,6 +36,7 @@ source line of the forward op whose derivative it computes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -56,6 +57,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import disable_autocast_cache
+from torch.nn.utils.stateless import _reparametrize_module
 
 from memplan._capture.tracer import Tracer, new_fake_mode, quiet_meta_failures
 from memplan.errors import CaptureError, UnsupportedInputError
@@ -348,12 +350,18 @@ def capture(
 
     # Step 2: a flat function over params, buffers, user leaves (and tangents).
     def call_model(flat: Sequence[torch.Tensor]) -> Any:
+        call_args, call_kwargs = pytree.tree_unflatten(list(flat[n_params + n_buffers : n_params + n_buffers + n_user]), in_spec)
+        return model(*call_args, **call_kwargs)
+
+    def substituted(flat: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager:
+        """The module with the traced parameters and buffers in place of its own, as
+        ``torch.func.functional_call`` has it, but for the backward too: a backward that runs the
+        module's code again (``torch.utils.checkpoint`` recomputing a segment) reads the traced ones."""
+        if not isinstance(model, nn.Module):
+            return contextlib.nullcontext()
         p = dict(zip(param_names, flat[:n_params]))
         b = dict(zip(buffer_names, flat[n_params : n_params + n_buffers]))
-        call_args, call_kwargs = pytree.tree_unflatten(list(flat[n_params + n_buffers : n_params + n_buffers + n_user]), in_spec)
-        if isinstance(model, nn.Module):
-            return torch.func.functional_call(model, {**p, **b}, tuple(call_args), call_kwargs, strict=False)
-        return model(*call_args, **call_kwargs)
+        return _reparametrize_module(model, {**p, **b}, tie_weights=True, strict=False)
 
     def tag_backward(roots: list[torch.Tensor]) -> None:
         _check_constants(model, tracer)
@@ -363,6 +371,10 @@ def capture(
         _tag_backward_with_seq_nr([t.grad_fn for t in roots if t.grad_fn is not None])
 
     def traced_body(flat: Sequence[torch.Tensor]) -> list[Any]:
+        with substituted(flat):
+            return traced_steps(flat)
+
+    def traced_steps(flat: Sequence[torch.Tensor]) -> list[Any]:
         out = call_model(flat)
         flat_out, out_spec = pytree.tree_flatten(out)
         out_spec_box["spec"] = out_spec
@@ -381,6 +393,7 @@ def capture(
             tag_backward(diff)
             torch.autograd.backward(diff, tangents)
             relaid = _relaid_by_broadcast_tangents(tracer, tangents, grad_inputs)
+        _check_constants(model, tracer)  # what the backward alone reads
         # AccumulateGrad copies a gradient that breaks its leaf's layout contract. Make that copy inside
         # the graph, where the plan sees it, so autograd takes ours as it is: where the trace breaks the
         # contract, and where a run breaks it when a tangent arrives as a broadcast scalar.
@@ -675,9 +688,12 @@ def _layout(value: Any) -> Any:
 
 
 def _check_constants(model: Any, tracer: Any) -> None:
-    """Tensors a plain function closes over become constants; in training that would drop their gradients.
+    """Tensors a plain function closes over become constants; in training that would drop their gradients,
+    and a plan would keep their values of the first call.
 
-    Runs before backward is traced, so the user's real tensors never see a fake ``.grad``.
+    Runs before backward is traced, so the user's real tensors never see a fake ``.grad``, and again
+    after it, for the tensors only the backward reads (a custom ``autograd.Function`` whose backward
+    closes over one).
     """
     for node in tracer.graph.nodes:
         if node.op != "get_attr":

@@ -266,6 +266,26 @@ class PlanFunction(torch.autograd.Function):
 
 _OP_CALL = re.compile(r"torch\.ops\.(\w+)\.(\w+)\.(\w+)\(")
 
+# Operators whose kernels leave out what their backward reads unless autograd's grad mode is on, whatever
+# their arguments say: oneDNN's LSTM layer (what nn.LSTM runs on CPU) returns its workspace only then,
+# and its backward cannot run without it. Planned code runs with grad mode off (inside its
+# autograd.Function), so these are called with it on, on detached arguments: nothing is recorded.
+_GRAD_MODE_OPS = frozenset(
+    packet.default for packet in (getattr(torch.ops.aten, name, None) for name in ("mkldnn_rnn_layer",))
+    if packet is not None  # a build without oneDNN has no such operator
+)
+
+
+def _in_grad_mode(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` called with autograd's grad mode on and its tensor arguments detached."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, (args, kwargs))
+        with torch.enable_grad():
+            return function(*args, **kwargs)
+
+    return call
+
 
 def fast_callable(gm: torch.fx.GraphModule) -> Callable[[list[Any]], Any]:
     """``gm``'s generated code with each ``torch.ops.ns.op.overload(`` bound to a direct way to call it.
@@ -298,7 +318,8 @@ def _runner(
             namespace, op, overload = match.groups()
             operator = getattr(getattr(getattr(torch.ops, namespace), op), overload)
             names[qualified] = f"_memplan_op{len(names)}"
-            bound[names[qualified]] = bindings.get(operator, operator._op)
+            function = bindings.get(operator, operator._op)
+            bound[names[qualified]] = _in_grad_mode(function) if operator in _GRAD_MODE_OPS else function
         return names[qualified] + "("
 
     source = _OP_CALL.sub(bind, src)

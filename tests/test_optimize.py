@@ -172,6 +172,71 @@ def test_batchnorm_running_statistics_update_like_eager():
     assert bn.num_batches_tracked.item() == ref.num_batches_tracked.item() == 2
 
 
+class CheckpointedSegment(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 12), nn.Linear(12, 6)
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self._segment, x, use_reentrant=False).tanh()
+
+    def _segment(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_a_checkpointed_segment_recomputes_with_the_models_current_parameters():
+    # torch.utils.checkpoint runs the segment again inside the backward: that run must read the traced
+    # parameters (inputs of the plan), not the module's own as constants frozen at the first call
+    torch.manual_seed(0)
+    model = CheckpointedSegment()
+    reference = copy.deepcopy(model)
+    opt = optimize(model)
+    x = torch.randn(5, 6, requires_grad=True)
+    assert_equivalent(reference, opt, x, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        for module in (model, reference):
+            for p in module.parameters():
+                p.mul_(-0.5)
+    assert_equivalent(reference, opt, x, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_lstm_trains_like_eager():
+    # on CPU nn.LSTM runs oneDNN's layer, which returns the workspace its backward reads only in grad
+    # mode; the plan runs its forward with grad mode off
+    torch.manual_seed(0)
+    model = nn.LSTM(8, 16, num_layers=2)
+    assert_equivalent(model, optimize(model), torch.randn(7, 3, 8), rtol=1e-5, atol=1e-6)
+
+
+_CLOSED_OVER = torch.randn(3, requires_grad=True)
+
+
+class _ScaledGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * _CLOSED_OVER
+
+
+class ScalesItsGradient(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return _ScaledGradient.apply(self.lin(x))
+
+
+def test_a_backward_that_reads_a_closed_over_tensor_is_a_clear_error():
+    # a plan would keep the tensor's value of the first call, and never give it a gradient
+    opt = optimize(ScalesItsGradient(), passes="")
+    with pytest.raises(CaptureError, match=r"neither an argument nor a parameter.*_tensor_constant"):
+        opt(torch.randn(2, 3)).sum().backward()
+
+
 class MutatesInput(nn.Module):
     def forward(self, x, counter):
         counter.add_(1)
