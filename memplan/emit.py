@@ -46,6 +46,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.capture import CapturedGraph, Phase
+from memplan.opschema import GRAD_MODE_OPS
 
 __all__ = ["Emitted", "emit", "PlanFunction"]
 
@@ -266,22 +267,14 @@ class PlanFunction(torch.autograd.Function):
 
 _OP_CALL = re.compile(r"torch\.ops\.(\w+)\.(\w+)\.(\w+)\(")
 
-# Operators whose kernels leave out what their backward reads unless autograd's grad mode is on, whatever
-# their arguments say: oneDNN's LSTM layer (what nn.LSTM runs on CPU) returns its workspace only then,
-# and its backward cannot run without it. Planned code runs with grad mode off (inside its
-# autograd.Function), so these are called with it on, on detached arguments: nothing is recorded.
-_GRAD_MODE_OPS = frozenset(
-    packet.default for packet in (getattr(torch.ops.aten, name, None) for name in ("mkldnn_rnn_layer",))
-    if packet is not None  # a build without oneDNN has no such operator
-)
 
-
-def _in_grad_mode(function: Callable[..., Any]) -> Callable[..., Any]:
-    """``function`` called with autograd's grad mode on and its tensor arguments detached."""
+def _in_grad_mode(function: Callable[..., Any], enabled: bool) -> Callable[..., Any]:
+    """``function`` called with autograd's grad mode ``enabled`` and its tensor arguments detached (so
+    nothing is recorded): how planned code calls :data:`~memplan.opschema.GRAD_MODE_OPS`."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, (args, kwargs))
-        with torch.enable_grad():
+        with torch.set_grad_enabled(enabled):
             return function(*args, **kwargs)
 
     return call
@@ -310,7 +303,10 @@ def _runner(
     with ``root`` as ``self`` (where its submodules and attributes are)."""
     bound: dict[str, Any] = {}
     names: dict[str, str] = {}
+    nodes = list(nodes)
     bindings = python_bindings(nodes)
+    # the grad mode capture saw (on where a copy made since does not say: a training plan's recomputation)
+    grad_mode = {op: any(n.meta.get("grad_enabled", True) for n in nodes if n.target is op) for op in GRAD_MODE_OPS}
 
     def bind(match: re.Match) -> str:
         qualified = match.group(0)[:-1]
@@ -319,7 +315,7 @@ def _runner(
             operator = getattr(getattr(getattr(torch.ops, namespace), op), overload)
             names[qualified] = f"_memplan_op{len(names)}"
             function = bindings.get(operator, operator._op)
-            bound[names[qualified]] = _in_grad_mode(function) if operator in _GRAD_MODE_OPS else function
+            bound[names[qualified]] = _in_grad_mode(function, grad_mode[operator]) if operator in grad_mode else function
         return names[qualified] + "("
 
     source = _OP_CALL.sub(bind, src)

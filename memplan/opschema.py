@@ -10,7 +10,18 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["mutated_args", "is_pure_view", "is_view_op"]
+__all__ = ["GRAD_MODE_OPS", "mutated_args", "is_pure_view", "is_view_op"]
+
+
+# Operators whose kernels return other outputs with autograd's grad mode on than off, whatever their
+# arguments say: oneDNN's LSTM layer (what ``nn.LSTM`` runs on CPU) returns the workspace its backward
+# reads only with it on, and its fake kernel makes that workspace empty. Capture learns their outputs'
+# sizes from the real kernel and records the grad mode of each call (``node.meta["grad_enabled"]``);
+# planned code, which runs with grad mode off, calls them in the recorded mode.
+GRAD_MODE_OPS = frozenset(
+    packet.default for packet in (getattr(torch.ops.aten, name, None) for name in ("mkldnn_rnn_layer",))
+    if packet is not None  # a build without oneDNN has no such operator
+)
 
 
 # Passes ask these of every node again and again (hundreds of thousands of times on an unrolled loop),

@@ -57,6 +57,7 @@ import torch
 import torch.fx
 import torch.fx._symbolic_trace as _fx_trace
 import torch.fx.traceback as fx_traceback
+import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
@@ -64,6 +65,8 @@ from torch.utils._python_dispatch import (
     _pop_mode_temporarily,
     autograd_would_have_decomposed,
 )
+
+from memplan.opschema import GRAD_MODE_OPS
 
 __all__ = ["Tracer", "new_fake_mode", "quiet_meta_failures"]
 
@@ -151,6 +154,7 @@ class _Op:
             and not self.decomposable
             and not tags & {torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape, torch.Tag.inplace_view}
             and func not in (aten.lift_fresh.default, aten.lift_fresh_copy.default, aten.is_nonzero.default)
+            and func not in GRAD_MODE_OPS  # sized by running them (see Tracer._sized_as_run)
         )
         # A view's offset is its base's plus a step the other arguments fix, except for ops told the
         # offset itself (as_strided): their keys hold the arguments' offsets.
@@ -445,6 +449,9 @@ class Tracer(TorchDispatchMode):
         self.fake_runs += 1
         with self.fake_mode:
             out = func(*args, **kwargs)
+        if func in GRAD_MODE_OPS:
+            out = self._sized_as_run(func, args, kwargs, out)
+            node.meta["grad_enabled"] = torch.is_grad_enabled()
         constant = None
         if func is aten.lift_fresh_copy.default and out.numel() <= _CONSTANT_NUMEL_LIMIT:
             constant = args[0].clone()
@@ -457,6 +464,33 @@ class Tracer(TorchDispatchMode):
             constant = func(*self._constant_arg(args), **self._constant_arg(kwargs))
         self._track(out, node, constant)
         return out
+
+    def _sized_as_run(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+        """``out`` (the fake kernel's outputs) with each tensor the real kernel makes in another size or
+        dtype replaced by a fake one of the real layout. The real kernel runs once, in the current grad
+        mode, on zeros of the arguments' layouts on their device.
+
+        For :data:`~memplan.opschema.GRAD_MODE_OPS`: the fake kernel of oneDNN's LSTM layer makes its
+        workspace empty, and the real one is about as large as all the layer's gates, so a plan that
+        did not know its size would predict a fraction of what the step holds.
+        """
+
+        def zeros(t: FakeTensor) -> torch.Tensor:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.fake_device).zero_()
+
+        with unset_fake_temporarily():
+            real_args, real_kwargs = pytree.tree_map_only(FakeTensor, zeros, (args, kwargs))
+            real = func(*real_args, **real_kwargs)
+        single = not isinstance(out, (tuple, list))
+        fakes, reals = ((out,), (real,)) if single else (out, real)
+        sized = []
+        for fake, made in zip(fakes, reals):
+            if isinstance(fake, FakeTensor) and isinstance(made, torch.Tensor) \
+                    and (fake.shape != made.shape or fake.dtype != made.dtype):
+                with self.fake_mode:
+                    fake = torch.empty_strided(made.shape, made.stride(), dtype=made.dtype, device=fake.fake_device)
+            sized.append(fake)
+        return sized[0] if single else type(out)(sized)
 
     # ------------------------------------------------------------------------------------------
     # the cache

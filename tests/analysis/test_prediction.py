@@ -64,3 +64,12 @@ def test_python_locals_keep_memory_alive_and_the_prediction_sees_it():
     assert keep == 3 * 4096 and drop == 2 * 4096
     assert measure(keeps_local, x).peak == keep
     assert measure(drops_local, x).peak == drop
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "infer"])
+def test_fused_lstm_prediction_counts_the_workspace(train):
+    # on CPU nn.LSTM runs oneDNN's layer, whose fake kernel makes the workspace (saved for the backward,
+    # about as large as the gates) empty: capture learns its size from the real kernel
+    torch.manual_seed(0)
+    model = torch.nn.LSTM(16, 64, num_layers=2)
+    assert_agrees(*predicted_and_measured(model, (torch.randn(30, 8, 16),), train))
