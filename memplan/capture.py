@@ -59,7 +59,7 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import disable_autocast_cache
 from torch.nn.utils.stateless import _reparametrize_module
 
-from memplan._capture.tracer import Tracer, new_fake_mode, quiet_meta_failures
+from memplan._capture.tracer import NotDenseError, Tracer, new_fake_mode, quiet_meta_failures
 from memplan.errors import CaptureError, UnsupportedInputError
 from memplan.opschema import is_view_op, mutated_args
 
@@ -742,10 +742,23 @@ def _capture_error(model: Any, exc: BaseException) -> CaptureError:
             'Fix: use the out-of-place op (e.g. x = x + y), or pass fallback="eager".'
         )
     if isinstance(exc, data_dependent):
+        frames = traceback.extract_tb(exc.__traceback__)
+        if any(f"torch{os.sep}distributions{os.sep}" in frame.filename for frame in frames):
+            return CaptureError(
+                f"memplan cannot capture {name}: torch.distributions checks the values of its arguments{at}, "
+                "and a static plan cannot depend on them. Fix: pass validate_args=False to the distribution, "
+                "or call torch.distributions.Distribution.set_default_validate_args(False) once."
+            )
         return CaptureError(
             f"memplan cannot capture {name}: its Python control flow or output shapes depend on tensor values{at}. "
             "A static plan needs the same ops for every input of a given shape. "
             "Fix: express the branch with tensor ops (torch.where, masking), move it outside the model, "
+            'or pass fallback="eager" to memplan.optimize to run this model eagerly.'
+        )
+    if isinstance(exc, NotDenseError):
+        return CaptureError(
+            f"memplan cannot capture {name}: {exc}{at}; it plans dense (strided) tensors only "
+            "(nn.Embedding(sparse=True) makes a sparse gradient). Fix: use the dense variant (sparse=False), "
             'or pass fallback="eager" to memplan.optimize to run this model eagerly.'
         )
     return CaptureError(

@@ -320,6 +320,51 @@ def test_uncapturable_model_raises_or_falls_back_to_eager():
         opt(x)  # the decision is cached: no second warning
 
 
+class SamplesNormal(nn.Module):
+    def __init__(self, validate_args=None):
+        super().__init__()
+        self.mu, self.log_sigma = nn.Linear(8, 4), nn.Linear(8, 4)
+        self.validate_args = validate_args
+
+    def forward(self, x):
+        normal = torch.distributions.Normal(self.mu(x), self.log_sigma(x).exp(), validate_args=self.validate_args)
+        z = normal.rsample()
+        return normal.log_prob(z).sum()
+
+
+def test_distribution_argument_checks_are_a_clear_error_with_their_fix():
+    with pytest.raises(CaptureError, match=r"torch.distributions checks the values.*test_optimize.py.*validate_args=False"):
+        optimize(SamplesNormal())(torch.randn(5, 8))
+    model = SamplesNormal(validate_args=False)  # the fix the message gives
+    assert_equivalent(model, optimize(model), torch.randn(5, 8), rtol=1e-5, atol=1e-6)
+
+
+class PacksSequences(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(4, 8)
+
+    def forward(self, x, lengths):
+        return self.rnn(nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=False))[1]
+
+
+class SparseEmbedding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(50, 8, sparse=True)
+
+    def forward(self, index):
+        return self.embedding(index).sum()
+
+
+def test_value_dependent_shapes_and_sparse_tensors_are_clear_errors():
+    # a packed sequence's shapes follow the lengths' values; a sparse embedding's gradient is sparse
+    with pytest.raises(CaptureError, match=r"depend on tensor values at .*test_optimize.py.*pack_padded_sequence"):
+        optimize(PacksSequences())(torch.randn(6, 3, 4), torch.tensor([6, 4, 2]))
+    with pytest.raises(CaptureError, match=r"sparse_coo tensor; it plans dense.*sparse=False"):
+        optimize(SparseEmbedding())(torch.randint(0, 50, (4, 6))).backward()
+
+
 def test_plan_and_code_are_readable():
     opt = optimize(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), passes="")
     with pytest.raises(RuntimeError, match="call the module once"):

@@ -58,7 +58,12 @@ import torch.fx
 import torch.fx._symbolic_trace as _fx_trace
 import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import (
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
     _get_current_dispatch_mode,
@@ -68,7 +73,11 @@ from torch.utils._python_dispatch import (
 
 from memplan.opschema import GRAD_MODE_OPS
 
-__all__ = ["Tracer", "new_fake_mode", "quiet_meta_failures"]
+__all__ = ["NotDenseError", "Tracer", "new_fake_mode", "quiet_meta_failures"]
+
+
+class NotDenseError(RuntimeError):
+    """An op of the traced code made a sparse (or otherwise not strided) tensor: memplan plans dense ones."""
 
 aten = torch.ops.aten
 _DEVICE_QUERY = torch.ops.prim.device.default
@@ -449,6 +458,12 @@ class Tracer(TorchDispatchMode):
         self.fake_runs += 1
         with self.fake_mode:
             out = func(*args, **kwargs)
+        for tensor in _tensors_in(out):
+            if tensor.layout != torch.strided:
+                raise NotDenseError(f"{func} makes a {tensor.layout} tensor")
+            if any(type(size) is not int for size in tensor.shape):
+                # the shape depends on the values (a packed sequence's batch sizes): no static plan
+                raise DynamicOutputShapeException(func)
         if func in GRAD_MODE_OPS:
             out = self._sized_as_run(func, args, kwargs, out)
             node.meta["grad_enabled"] = torch.is_grad_enabled()
