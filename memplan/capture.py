@@ -11,8 +11,10 @@ is exactly a tensor autograd saved.
 Stages
 ------
 (1) Check and flatten the inputs: tensors only (nested in tuples, lists, dicts); no sparse tensors.
-(2) Build a flat function over ``parameters, buffers, user leaves`` that calls the model through
-    ``torch.func.functional_call``, so parameters and buffers are graph inputs, not copies.
+(2) Build a flat function over ``parameters, buffers, user leaves`` that calls the model with the
+    traced parameters and buffers in place of its own (as ``torch.func.functional_call`` does, but
+    through the backward too, which may run the module's code again: ``torch.utils.checkpoint``), so
+    parameters and buffers are graph inputs, not copies.
 (3) In training mode, run backward inside the traced function: ``loss = sum(out.sum())`` (the
     ``"sum"`` seed, what ``model(x).sum().backward()`` does) or ``autograd.backward(outs, tangents)``
     (the ``"tangents"`` seed, used when memplan emits its own backward; the tangents become graph
@@ -23,7 +25,8 @@ Stages
 (4) Trace with :class:`memplan._capture.tracer.Tracer`, a dispatch mode that records each aten op
     as make_fx does, but makes the fake outputs of an op it has seen on arguments of the same
     layout from a cache instead of running the op's fake kernel again (an unrolled loop repeats a
-    few ops thousands of times); a recorder it calls after each op notes the forward op's user line
+    few ops thousands of times), and learns from the real kernel the sizes of outputs a fake kernel
+    gets wrong (oneDNN's LSTM workspace, see :data:`memplan.opschema.GRAD_MODE_OPS`); a recorder it calls after each op notes the forward op's user line
     and when Python releases each storage. Data-dependent control flow becomes a
     :class:`~memplan.errors.CaptureError` naming the user's line.
 (5) Read what the trace recorded (``val``, ``seq_nr``) and what the recorder saw once, into a frozen
