@@ -31,19 +31,8 @@ def test_empty_pipeline_is_exact_and_never_uses_more_memory(name, model, inputs)
         assert measure(opt_step).peak <= measure(eager_step).peak
 
 
-ZOO_MODELS = [(z.name, z.model, z.inputs) for z in ZOO]
-
-
-# The examples get the same checks in tests/test_peak_regression.py, which plans them once.
-@pytest.mark.parametrize("name,model,inputs", ZOO_MODELS, ids=[m[0] for m in ZOO_MODELS])
-def test_default_pipeline_is_equivalent_and_never_uses_more_memory(name, model, inputs):
-    opt = optimize(model)
-    # chunking may change summation order: float tolerance only
-    assert_equivalent(model, opt, *inputs, rtol=1e-4, atol=1e-5)
-    for train in (True, False):
-        eager_step, opt_step = step_fn(model, inputs, train=train), step_fn(opt, inputs, train=train)
-        opt_step()
-        assert measure(opt_step).peak <= measure(eager_step).peak
+# The default pipeline gets the same checks on the zoo and other models in tests/test_models.py, and on
+# the examples in tests/test_peak_regression.py, which plans them once.
 
 
 @pytest.mark.parametrize("seed", range(6))
