@@ -26,12 +26,13 @@ Stages
     as make_fx does, but makes the fake outputs of an op it has seen on arguments of the same
     layout from a cache instead of running the op's fake kernel again (an unrolled loop repeats a
     few ops thousands of times), and learns from the real kernel the sizes of outputs a fake kernel
-    gets wrong (oneDNN's LSTM workspace, see :data:`memplan.opschema.GRAD_MODE_OPS`); a recorder it calls after each op notes the forward op's user line
-    and when Python releases each storage. Data-dependent control flow becomes a
-    :class:`~memplan.errors.CaptureError` naming the user's line.
+    gets wrong (oneDNN's LSTM workspace, see :data:`memplan.opschema.GRAD_MODE_OPS`); a recorder it
+    calls after each op notes the forward op's user line and when Python releases each storage.
+    Data-dependent control flow becomes a :class:`~memplan.errors.CaptureError` naming the user's line.
 (5) Read what the trace recorded (``val``, ``seq_nr``) and what the recorder saw once, into a frozen
     :class:`CapturedGraph` keyed by node name. Nothing later reads ``node.meta`` for decisions
-    except the fake value of a node (``node.meta["val"]``), which is fx's own shape record.
+    except the fake value of a node (``node.meta["val"]``), which is fx's own shape record, and the
+    grad mode of a call of a :data:`~memplan.opschema.GRAD_MODE_OPS` operator, which emit reads.
 
 Backward nodes carry the forward op's autograd sequence number, so each backward node inherits the
 source line of the forward op whose derivative it computes.
