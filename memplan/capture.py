@@ -225,9 +225,9 @@ def is_user_frame(filename: str) -> bool:
     return not filename.startswith("<")
 
 
-def _user_line_from_traceback(tb) -> SourceLine | None:
+def _user_line_from_traceback(frames: traceback.StackSummary) -> SourceLine | None:
     found = None
-    for frame in traceback.extract_tb(tb):
+    for frame in frames:
         if is_user_frame(frame.filename):
             found = SourceLine(frame.filename, frame.lineno or 0, frame.name, (frame.line or "").strip())
     return found
@@ -735,7 +735,8 @@ def _capture_error(model: Any, exc: BaseException) -> CaptureError:
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-    where = _user_line_from_traceback(exc.__traceback__)
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = _user_line_from_traceback(frames)
     name = type(model).__name__ if isinstance(model, nn.Module) else getattr(model, "__qualname__", repr(model))
     at = f" at {where.filename}:{where.lineno} in {where.function}: `{where.code}`" if where else ""
     data_dependent = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
@@ -746,7 +747,6 @@ def _capture_error(model: Any, exc: BaseException) -> CaptureError:
             'Fix: use the out-of-place op (e.g. x = x + y), or pass fallback="eager".'
         )
     if isinstance(exc, data_dependent):
-        frames = traceback.extract_tb(exc.__traceback__)
         if any(f"torch{os.sep}distributions{os.sep}" in frame.filename for frame in frames):
             return CaptureError(
                 f"memplan cannot capture {name}: torch.distributions checks the values of its arguments{at}, "
