@@ -305,8 +305,6 @@ def _runner(
     names: dict[str, str] = {}
     nodes = list(nodes)
     bindings = python_bindings(nodes)
-    # the grad mode capture saw (on where a copy made since does not say: a training plan's recomputation)
-    grad_mode = {op: any(n.meta.get("grad_enabled", True) for n in nodes if n.target is op) for op in GRAD_MODE_OPS}
 
     def bind(match: re.Match) -> str:
         qualified = match.group(0)[:-1]
@@ -315,7 +313,12 @@ def _runner(
             operator = getattr(getattr(getattr(torch.ops, namespace), op), overload)
             names[qualified] = f"_memplan_op{len(names)}"
             function = bindings.get(operator, operator._op)
-            bound[names[qualified]] = _in_grad_mode(function, grad_mode[operator]) if operator in grad_mode else function
+            if operator in GRAD_MODE_OPS:
+                # the grad mode capture saw (on where a copy made since does not say: a training plan's
+                # recomputation); looked up only for these operators, not over every graph's nodes
+                enabled = any(n.meta.get("grad_enabled", True) for n in nodes if n.target is operator)
+                function = _in_grad_mode(function, enabled)
+            bound[names[qualified]] = function
         return names[qualified] + "("
 
     source = _OP_CALL.sub(bind, src)
