@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["GRAD_MODE_OPS", "mutated_args", "is_pure_view", "is_view_op"]
+__all__ = ["GRAD_MODE_OPS", "SIZED_BY_RUNNING", "mutated_args", "is_pure_view", "is_view_op"]
 
 
 # Operators whose kernels return other outputs with autograd's grad mode on than off, whatever their
@@ -22,6 +22,13 @@ GRAD_MODE_OPS = frozenset(
     packet.default for packet in (getattr(torch.ops.aten, name, None) for name in ("mkldnn_rnn_layer",))
     if packet is not None  # a build without oneDNN has no such operator
 )
+
+
+# Operators whose fake kernel refuses to size the outputs (it treats them as depending on values), though
+# their sizes follow from the arguments' shapes and plain values: ``_ctc_loss`` with the lengths given as
+# Python ints (``nn.CTCLoss`` called with tuples of lengths; its overload taking length tensors does depend
+# on their values). Capture sizes their outputs by running the real kernel once, on zeros.
+SIZED_BY_RUNNING = frozenset({torch.ops.aten._ctc_loss.default})
 
 
 # Passes ask these of every node again and again (hundreds of thousands of times on an unrolled loop),

@@ -71,7 +71,7 @@ from torch.utils._python_dispatch import (
     autograd_would_have_decomposed,
 )
 
-from memplan.opschema import GRAD_MODE_OPS
+from memplan.opschema import GRAD_MODE_OPS, SIZED_BY_RUNNING
 
 __all__ = ["NotDenseError", "Tracer", "new_fake_mode", "quiet_meta_failures"]
 
@@ -456,8 +456,11 @@ class Tracer(TorchDispatchMode):
         op = self._ops.get(func) or _Op(func, self.graph)
         node = self._node("call_function", func, self._node_arg(args), self._node_arg(kwargs), op.name)
         self.fake_runs += 1
-        with self.fake_mode:
-            out = func(*args, **kwargs)
+        if func in SIZED_BY_RUNNING:
+            out = self._sized_as_run(func, args, kwargs, None)
+        else:
+            with self.fake_mode:
+                out = func(*args, **kwargs)
         for tensor in _tensors_in(out):
             if tensor.layout != torch.strided:
                 raise NotDenseError(f"{func} makes a {tensor.layout} tensor")
@@ -482,12 +485,14 @@ class Tracer(TorchDispatchMode):
 
     def _sized_as_run(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
         """``out`` (the fake kernel's outputs) with each tensor the real kernel makes in another size or
-        dtype replaced by a fake one of the real layout. The real kernel runs once, in the current grad
-        mode, on zeros of the arguments' layouts on their device.
+        dtype replaced by a fake one of the real layout (every tensor, when ``out`` is None: there is no
+        fake kernel to ask). The real kernel runs once, in the current grad mode, on zeros of the
+        arguments' layouts on their device.
 
         For :data:`~memplan.opschema.GRAD_MODE_OPS`: the fake kernel of oneDNN's LSTM layer makes its
         workspace empty, and the real one is about as large as all the layer's gates, so a plan that
-        did not know its size would predict a fraction of what the step holds.
+        did not know its size would predict a fraction of what the step holds. For
+        :data:`~memplan.opschema.SIZED_BY_RUNNING`: the fake kernel refuses to size the outputs.
         """
 
         def zeros(t: FakeTensor) -> torch.Tensor:
@@ -496,14 +501,19 @@ class Tracer(TorchDispatchMode):
         with unset_fake_temporarily():
             real_args, real_kwargs = pytree.tree_map_only(FakeTensor, zeros, (args, kwargs))
             real = func(*real_args, **real_kwargs)
+        if out is None:
+            out = pytree.tree_map_only(torch.Tensor, lambda t: None, real)
         single = not isinstance(out, (tuple, list))
         fakes, reals = ((out,), (real,)) if single else (out, real)
         sized = []
         for fake, made in zip(fakes, reals):
-            if isinstance(fake, FakeTensor) and isinstance(made, torch.Tensor) \
-                    and (fake.shape != made.shape or fake.dtype != made.dtype):
+            if isinstance(made, torch.Tensor) and (
+                fake is None
+                or isinstance(fake, FakeTensor) and (fake.shape != made.shape or fake.dtype != made.dtype)
+            ):
+                device = made.device if fake is None else fake.fake_device
                 with self.fake_mode:
-                    fake = torch.empty_strided(made.shape, made.stride(), dtype=made.dtype, device=fake.fake_device)
+                    fake = torch.empty_strided(made.shape, made.stride(), dtype=made.dtype, device=device)
             sized.append(fake)
         return sized[0] if single else type(out)(sized)
 
