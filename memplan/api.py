@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -30,7 +31,7 @@ from torch import nn
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation
 from memplan.analysis.tensors import Tensors
-from memplan.capture import CapturedGraph, capture
+from memplan.capture import CapturedGraph, capture, is_static_leaf, is_user_frame, leaf_paths
 from memplan.emit import Emitted, PlanFunction, emit, run_inference
 from memplan.errors import CaptureError, UnsupportedInputError
 from memplan.measure import format_bytes
@@ -113,9 +114,37 @@ class Plan:
         return Group(self.headline(), table)
 
 
+def _static_key(value: Any) -> tuple:
+    """How a plain argument value keys its plan: equal values, one plan. Floats and complex numbers by
+    their text, so that a NaN finds its plan again and -0.0 is not 0.0."""
+    if not is_static_leaf(value):
+        return ("py", type(value))  # capture refuses it, naming the argument
+    if isinstance(value, (float, complex)):
+        return ("py", type(value), repr(value))
+    return ("py", type(value), value)
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning point at the caller's line: the first frame, counted from
+    the one calling ``warnings.warn``, outside memplan and torch (1 when there is none)."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename.startswith("<") or is_user_frame(filename):  # a file of the user's, or a REPL cell
+            return level
+        frame, level = frame.f_back, level + 1
+    return 1
+
+
+# Plans for one set of tensor shapes that differ only in plain argument values before memplan warns that
+# a value probably changes every call (each new value is planned again, in seconds).
+VALUE_PLANS_WARNING = 8
+
+
 def _signature(model: Any, leaves: Sequence[Any], spec: pytree.TreeSpec) -> tuple:
     tensors = tuple(
-        (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad, t.layout) if isinstance(t, torch.Tensor) else ("py", type(t))
+        (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad, t.layout) if isinstance(t, torch.Tensor)
+        else _static_key(t)
         for t in leaves
     )
     params: tuple = ()
@@ -151,6 +180,7 @@ class OptimizedModule(nn.Module):
         self.fallback = fallback
         self.options = dict(options or {})
         self._plans: dict[tuple, Plan | None] = {}
+        self._value_plans: dict[tuple, list[tuple]] = {}  # plain-value keys per tensor shapes (see _warn_if_values_vary)
         self._last: Plan | None = None
         self.plans_built = 0
 
@@ -240,12 +270,13 @@ class OptimizedModule(nn.Module):
         leaves, spec = pytree.tree_flatten((args, kwargs))
         key = _signature(original, leaves, spec)
         if key not in self._plans:
+            self._warn_if_values_vary(key, (args, kwargs))
             try:
                 self._plans[key] = self._build_plan(args, kwargs)
             except (CaptureError, UnsupportedInputError) as exc:
                 if self.fallback != "eager":
                     raise
-                warnings.warn(f"memplan runs this model eagerly (fallback='eager'): {exc}", stacklevel=2)
+                warnings.warn(f"memplan runs this model eagerly (fallback='eager'): {exc}", stacklevel=_user_stacklevel())
                 self._plans[key] = None
         plan = self._plans[key]
         self._last = plan
@@ -260,13 +291,30 @@ class OptimizedModule(nn.Module):
             outputs[index] = value
         return pytree.tree_unflatten(outputs, plan.graph.out_spec)
 
+    def _warn_if_values_vary(self, key: tuple, call: tuple[tuple, dict]) -> None:
+        """Warn once per set of tensor shapes when plain argument values have made
+        :data:`VALUE_PLANS_WARNING` plans of it: a value that changes every call replans every call."""
+        spec, per_leaf, *rest = key
+        shapes = (spec, tuple(k[:2] if k and k[0] == "py" else k for k in per_leaf), *rest)
+        seen = self._value_plans.setdefault(shapes, [])
+        seen.append(per_leaf)
+        if len(seen) == VALUE_PLANS_WARNING:
+            varying = [path for i, path in enumerate(leaf_paths(call)) if len({keys[i] for keys in seen}) > 1]
+            warnings.warn(
+                f"memplan has planned this model {len(seen)} times for the same tensor shapes, once per value of "
+                f"{', '.join(varying)}: each new value is a new plan, which takes seconds. Fix: pass a value "
+                "that changes from call to call as a tensor (torch.tensor(value)).",
+                stacklevel=_user_stacklevel(),
+            )
+
     @staticmethod
-    def _flat_inputs(original: Any, leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def _flat_inputs(original: Any, leaves: Sequence[Any]) -> list[torch.Tensor]:
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]  # plain values are in the plan
         if isinstance(original, nn.Module):
             params = [p for _, p in original.named_parameters(remove_duplicate=True)]
             buffers = [b for _, b in original.named_buffers(remove_duplicate=True)]
-            return [*params, *buffers, *leaves]
-        return list(leaves)
+            return [*params, *buffers, *tensors]
+        return tensors
 
 
 def _external_bytes(graph: CapturedGraph) -> int:

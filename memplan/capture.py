@@ -76,6 +76,9 @@ __all__ = [
     "capture",
     "sum_backward",
     "is_user_frame",
+    "is_static_leaf",
+    "leaf_paths",
+    "STATIC_TYPES",
 ]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -154,7 +157,8 @@ class CapturedGraph:
     inputs, outputs : tuple
         One spec per placeholder and per flat output.
     in_spec, out_spec : pytree.TreeSpec
-        How the user's ``(args, kwargs)`` and outputs flatten.
+        How the user's ``(args, kwargs)`` and outputs flatten. ``inputs`` has a placeholder for each
+        tensor leaf of ``in_spec``; the other leaves are constants of the graph.
     """
 
     gm: torch.fx.GraphModule
@@ -168,6 +172,7 @@ class CapturedGraph:
     out_spec: pytree.TreeSpec
     seed: str
     released_after: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    static_inputs: tuple[tuple[str, Any], ...] = ()
     lifetimes: str = "eager"
     _by_name: dict[str, torch.fx.Node] = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -237,13 +242,29 @@ def _user_line_from_traceback(frames: traceback.StackSummary) -> SourceLine | No
 # inputs
 
 
+# Argument values that are not tensors but are planned as constants, one plan per value (``mask=None``,
+# ``return_weights=False``, ``scale=0.5``, ``dtype=torch.bfloat16``): immutable values whose equality says
+# that the model computes the same graph.
+STATIC_TYPES: tuple[type, ...] = (
+    type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
+    torch.memory_format, enum.Enum,
+)
+
+
+def is_static_leaf(leaf: Any) -> bool:
+    """True for an argument value memplan plans as a constant (see :data:`STATIC_TYPES`)."""
+    return isinstance(leaf, STATIC_TYPES)
+
+
 def _check_leaves(leaves: Sequence[Any], paths: Sequence[str]) -> None:
     for leaf, path in zip(leaves, paths):
+        if is_static_leaf(leaf):
+            continue
         if not isinstance(leaf, torch.Tensor):
             raise UnsupportedInputError(
-                f"memplan plans over tensor arguments only, but {path} is a {type(leaf).__name__} ({leaf!r:.60}). "
-                "Fix: bind non-tensor arguments first, e.g. "
-                "memplan.optimize(functools.partial(model_fn, flag=True)) or store them on the module."
+                f"memplan plans over tensors and plain values (None, bool, int, float, str, dtype, device, "
+                f"enum) only, but {path} is a {type(leaf).__name__} ({leaf!r:.60}). Fix: bind it first, e.g. "
+                "memplan.optimize(functools.partial(model_fn, config=config)), or store it on the module."
             )
         if leaf.layout != torch.strided:
             raise UnsupportedInputError(
@@ -252,7 +273,8 @@ def _check_leaves(leaves: Sequence[Any], paths: Sequence[str]) -> None:
             )
 
 
-def _leaf_paths(tree: Any) -> list[str]:
+def leaf_paths(tree: Any) -> list[str]:
+    """``["args[0]", "kwargs['mask']"]``: the path of each leaf of the ``(args, kwargs)`` pair ``tree``."""
     flat_with_path, _ = pytree.tree_flatten_with_path(tree)
     paths = []
     for key_path, _leaf in flat_with_path:
@@ -317,7 +339,8 @@ def capture(
     CaptureError
         When the model's Python control flow depends on tensor values, or it cannot be traced.
     UnsupportedInputError
-        For non-tensor or sparse inputs.
+        For sparse tensors, and for arguments that are neither tensors nor plain values (see
+        :data:`STATIC_TYPES`); plain values are constants of the graph.
 
     Examples
     --------
@@ -332,9 +355,14 @@ def capture(
         raise ValueError(f"seed must be 'sum' or 'tangents', not {seed!r}")
 
     # Step 1: check and flatten the inputs.
-    user_leaves, in_spec = pytree.tree_flatten((args, kwargs))
-    leaf_paths = _leaf_paths((args, kwargs))
-    _check_leaves(user_leaves, leaf_paths)
+    # Plain values (None, flags, scales) are constants of the plan; only tensors become placeholders.
+    all_leaves, in_spec = pytree.tree_flatten((args, kwargs))
+    all_paths = leaf_paths((args, kwargs))
+    _check_leaves(all_leaves, all_paths)
+    tensor_at = [i for i, leaf in enumerate(all_leaves) if isinstance(leaf, torch.Tensor)]
+    user_leaves = [all_leaves[i] for i in tensor_at]
+    tensor_paths = [all_paths[i] for i in tensor_at]
+    static_inputs = tuple((path, leaf) for path, leaf in zip(all_paths, all_leaves) if not isinstance(leaf, torch.Tensor))
 
     if isinstance(model, nn.Module):
         params = dict(model.named_parameters(remove_duplicate=True))
@@ -354,7 +382,10 @@ def capture(
 
     # Step 2: a flat function over params, buffers, user leaves (and tangents).
     def call_model(flat: Sequence[torch.Tensor]) -> Any:
-        call_args, call_kwargs = pytree.tree_unflatten(list(flat[n_params + n_buffers : n_params + n_buffers + n_user]), in_spec)
+        leaves = list(all_leaves)
+        for i, tensor in zip(tensor_at, flat[n_params + n_buffers : n_params + n_buffers + n_user]):
+            leaves[i] = tensor
+        call_args, call_kwargs = pytree.tree_unflatten(leaves, in_spec)
         return model(*call_args, **call_kwargs)
 
     def substituted(flat: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager:
@@ -453,10 +484,11 @@ def capture(
         seed=seed,
         param_names=param_names,
         buffer_names=buffer_names,
-        leaf_paths=leaf_paths,
+        leaf_paths=tensor_paths,
         real_flat=real_flat,
         boundary=boundary.get("last_forward"),
         in_spec=in_spec,
+        static_inputs=static_inputs,
         out_spec=out_spec_box["spec"],
         n_user=n_user,
         released=recorder.released_after,
@@ -746,6 +778,15 @@ def _capture_error(model: Any, exc: BaseException) -> CaptureError:
             "updates of differentiable inputs. "
             'Fix: use the out-of-place op (e.g. x = x + y), or pass fallback="eager".'
         )
+    in_ctc = any(frame.name == "ctc_loss" and frame.filename.startswith(_TORCH_DIR + os.sep) for frame in frames)
+    if in_ctc and (isinstance(exc, data_dependent) or "data is not allocated" in str(exc)):
+        return CaptureError(
+            f"memplan cannot capture {name}: CTC loss sizes its work from the values of the lengths{at} (and its "
+            "'mean' reduction divides by a tensor it builds from them inside C++, which a trace cannot see). "
+            "Fix: compute the loss outside the optimized module (optimize the network that makes the log "
+            "probabilities), or pass the lengths as tuples of ints with reduction='none' (one plan per distinct "
+            "lengths) and average yourself: (loss / torch.tensor(target_lengths).clamp(min=1)).mean()."
+        )
     if isinstance(exc, data_dependent):
         if any(f"torch{os.sep}distributions{os.sep}" in frame.filename for frame in frames):
             return CaptureError(
@@ -856,6 +897,7 @@ def _build_captured(
     real_flat: list[torch.Tensor],
     boundary: str | None,
     in_spec: pytree.TreeSpec,
+    static_inputs: tuple[tuple[str, Any], ...],
     out_spec: pytree.TreeSpec,
     n_user: int,
     released: Mapping[int, str],
@@ -940,4 +982,5 @@ def _build_captured(
         in_spec=in_spec,
         out_spec=out_spec,
         seed=seed,
+        static_inputs=static_inputs,
     )

@@ -12,12 +12,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+
+from memplan.capture import leaf_paths
 
 __all__ = ["Instruction", "RandomProgram", "random_model", "assert_equivalent", "is_well_conditioned", "zoo", "ZooModel"]
 
@@ -155,24 +157,26 @@ def random_model(
 # equivalence
 
 
-def _grad_leaves(model: nn.Module | Callable[..., Any], inputs: Sequence[Any]) -> list[torch.Tensor]:
-    leaves = [t for t in pytree.tree_leaves(list(inputs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+def _grad_leaves(model: nn.Module | Callable[..., Any], call: Any) -> list[torch.Tensor]:
+    leaves = [t for t in pytree.tree_leaves(call) if isinstance(t, torch.Tensor) and t.requires_grad]
     if isinstance(model, nn.Module):
         leaves += [p for p in model.parameters() if p.requires_grad]
     return leaves
 
 
 def _run_with_grads(
-    model: Callable[..., Any], inputs: Sequence[Any], grad: bool, seed: int
+    model: Callable[..., Any], inputs: Sequence[Any], kwargs: Mapping[str, Any], grad: bool, seed: int
 ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-    inputs = [t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in inputs]
+    call = pytree.tree_map_only(
+        torch.Tensor, lambda t: t.detach().clone().requires_grad_(t.requires_grad), (tuple(inputs), dict(kwargs))
+    )
     torch.manual_seed(seed)
-    out = model(*inputs)
+    out = model(*call[0], **call[1])
     flat = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
     if not grad:
         return [t.detach() for t in flat], []
     owner = model if isinstance(model, nn.Module) else None
-    leaves = _grad_leaves(owner or model, inputs)
+    leaves = _grad_leaves(owner or model, call)
     diff = [t for t in flat if t.requires_grad]
     if not diff or not leaves:
         return [t.detach() for t in flat], []
@@ -191,11 +195,13 @@ def assert_equivalent(
     rtol: float | None = None,
     atol: float | None = None,
     seed: int = 0,
+    kwargs: Mapping[str, Any] | None = None,
 ) -> None:
     """Assert that two models give the same outputs and the same gradients.
 
-    Both run on fresh copies of ``inputs`` under the same RNG seed; gradients are taken with respect to
-    every input that requires grad and every parameter of each model (in ``parameters()`` order, so an
+    Both run on fresh copies of ``inputs`` (and of the keyword arguments ``kwargs``) under the same RNG
+    seed; gradients are taken with respect to every tensor argument that requires grad and every
+    parameter of each model (in ``parameters()`` order, so an
     optimized module must expose the original's parameters, as memplan's do), with the same random
     upstream gradient. Raises ``AssertionError`` naming the first output or gradient that differs.
 
@@ -204,8 +210,9 @@ def assert_equivalent(
     >>> lin = torch.nn.Linear(3, 2)
     >>> assert_equivalent(lin, lin, torch.randn(4, 3))
     """
-    out_a, grads_a = _run_with_grads(original, inputs, grad, seed)
-    out_b, grads_b = _run_with_grads(optimized, inputs, grad, seed)
+    kwargs = dict(kwargs or {})
+    out_a, grads_a = _run_with_grads(original, inputs, kwargs, grad, seed)
+    out_b, grads_b = _run_with_grads(optimized, inputs, kwargs, grad, seed)
     if len(out_a) != len(out_b):
         raise AssertionError(f"the models return {len(out_a)} and {len(out_b)} tensors")
     for i, (a, b) in enumerate(zip(out_a, out_b)):
@@ -215,7 +222,7 @@ def assert_equivalent(
             raise AssertionError(f"output {i} differs:\n{e}") from None
     if len(grads_a) != len(grads_b):
         raise AssertionError(f"the models have {len(grads_a)} and {len(grads_b)} gradient leaves")
-    names = _leaf_names(original, inputs)
+    names = _leaf_names(original, (tuple(inputs), kwargs))
     for i, (a, b) in enumerate(zip(grads_a, grads_b)):
         name = names[i] if i < len(names) else f"leaf {i}"
         if a is None or b is None:
@@ -268,8 +275,9 @@ def is_well_conditioned(model: nn.Module, *inputs: torch.Tensor, rtol: float = 1
     )
 
 
-def _leaf_names(model: Any, inputs: Sequence[Any]) -> list[str]:
-    names = [f"input {i}" for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+def _leaf_names(model: Any, call: tuple[tuple, dict]) -> list[str]:
+    names = [path for path, t in zip(leaf_paths(call), pytree.tree_leaves(call))
+             if isinstance(t, torch.Tensor) and t.requires_grad]
     if isinstance(model, nn.Module):
         names += [n for n, p in model.named_parameters() if p.requires_grad]
     return names

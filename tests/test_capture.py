@@ -133,9 +133,16 @@ def test_a_shape_error_raises_memplans_error_without_torchs_traceback_in_the_log
     assert [r.levelno for r in fake_tensor_log] == [logging.ERROR]
 
 
-def test_non_tensor_leaf_is_rejected_with_a_fix():
-    with pytest.raises(UnsupportedInputError, match=r"args\[1\] is a int.*functools.partial"):
-        capture(lambda x, k: x * k, torch.randn(3), 3)
+def test_plain_values_are_constants_of_the_graph():
+    cg = capture(lambda x, k, mask=None: x * k if mask is None else x, torch.randn(3), 3, mask=None, train=False)
+    assert [s.path for s in cg.inputs] == ["args[0]"]
+    assert cg.static_inputs == (("args[1]", 3), ("kwargs['mask']", None))
+    assert any(n.target == torch.ops.aten.mul.Tensor and n.args[1] == 3 for n in cg.gm.graph.nodes)
+
+
+def test_other_non_tensor_leaf_is_rejected_with_a_fix():
+    with pytest.raises(UnsupportedInputError, match=r"args\[1\] is a object.*functools.partial"):
+        capture(lambda x, k: x, torch.randn(3), object())
 
 
 def test_partial_binds_non_tensor_arguments():

@@ -130,6 +130,47 @@ def test_structured_inputs_and_outputs():
     assert pair[0].grad is not None
 
 
+class Options(nn.Module):
+    """Plain (non-tensor) arguments, as real models take them: an optional mask, a scale, a flag."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, mask=None, scale=1.0, activation="tanh", return_hidden=False):
+        hidden = self.fc(x) * scale
+        if mask is not None:
+            hidden = hidden.masked_fill(mask, 0.0)
+        out = hidden.tanh() if activation == "tanh" else hidden.relu()
+        return (out, hidden) if return_hidden else out
+
+
+@pytest.mark.parametrize("passes", ["", None])
+def test_plain_arguments_are_planned_as_constants_one_plan_per_value(passes):
+    model = Options()
+    opt = optimize(copy.deepcopy(model), passes=passes) if passes is not None else optimize(copy.deepcopy(model))
+    x, mask = torch.randn(4, 8), torch.rand(4, 8) > 0.5
+    calls = [((x,), {}), ((x, None, 0.5), {}), ((x, mask), {"activation": "relu"}),
+             ((x,), {"mask": mask, "scale": 2.0, "return_hidden": True}), ((x, None, 0.5), {})]
+    for args, kwargs in calls:
+        assert_equivalent(model, opt, *args, kwargs=kwargs)
+    assert opt.plans_built == 4  # the last call finds the plan of the second
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x, None, -0.5), model(x, None, -0.5))
+
+
+def test_a_plain_argument_that_changes_every_call_warns_once():
+    model = Options()
+    opt = optimize(model, passes="")
+    x = torch.randn(2, 8)
+    with pytest.warns(UserWarning, match=r"8 times .* of args\[2\]: .*torch.tensor\(value\)") as caught:
+        for step in range(10):
+            torch.testing.assert_close(opt(x, None, 0.1 * step), model(x, None, 0.1 * step))
+    assert len([w for w in caught if "planned this model" in str(w.message)]) == 1
+    assert caught[0].filename == __file__  # it points at the caller's line
+    assert opt.plans_built == 10
+
+
 class Dropper(nn.Module):
     def __init__(self):
         super().__init__()
@@ -353,6 +394,29 @@ def test_value_dependent_shapes_and_sparse_tensors_are_clear_errors():
         optimize(PacksSequences())(torch.randn(6, 3, 4), torch.tensor([6, 4, 2]))
     with pytest.raises(CaptureError, match=r"sparse_coo tensor; it plans dense.*sparse=False"):
         optimize(SparseEmbedding())(torch.randint(0, 50, (4, 6))).backward()
+
+
+class CTCHead(nn.Module):
+    def __init__(self, reduction):
+        super().__init__()
+        self.proj = nn.Linear(12, 6)
+        self.ctc = nn.CTCLoss(reduction=reduction)
+
+    def forward(self, x, targets, input_lengths, target_lengths):
+        return self.ctc(self.proj(x).log_softmax(-1), targets, input_lengths, target_lengths)
+
+
+def test_ctc_loss_with_lengths_as_ints_is_planned_and_its_value_dependent_forms_are_clear_errors():
+    x, targets = torch.randn(20, 3, 12), torch.randint(1, 6, (3, 5))
+    for reduction in ("sum", "none"):
+        model = CTCHead(reduction)
+        opt = optimize(copy.deepcopy(model))
+        assert_equivalent(model, opt, x, targets, (20, 20, 20), (5, 4, 3))
+        assert_equivalent(model, opt, x, targets, (20, 17, 20), (5, 4, 2))
+        assert opt.plans_built == 2
+    for lengths in [((20, 20, 20), (5, 4, 3)), (torch.full((3,), 20), torch.tensor([5, 4, 3]))]:
+        with pytest.raises(CaptureError, match=r"CTC loss sizes its work from the values of the lengths.*Fix"):
+            optimize(CTCHead("mean"))(x, targets, *lengths)
 
 
 def test_plan_and_code_are_readable():

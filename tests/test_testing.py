@@ -1,7 +1,8 @@
+import pytest
 import torch
 from torch import nn
 
-from memplan.testing import is_well_conditioned, random_model
+from memplan.testing import assert_equivalent, is_well_conditioned, random_model
 
 
 class Fn(nn.Module):
@@ -37,3 +38,22 @@ def test_is_well_conditioned_leaves_the_rng_alone():
 def _flat(pair):
     model, inputs = pair
     return (model, *inputs)
+
+
+def test_assert_equivalent_passes_keyword_arguments_and_names_the_leaf_that_differs():
+    def model(x, *, weight, scale=1.0):
+        return (x * weight).sum() * scale
+
+    def other_scale(x, *, weight, scale=1.0):
+        return model(x, weight=weight, scale=scale + 1.0)
+
+    def wrong_gradient(x, *, weight):  # the same value, but d/dweight is 2 instead of x
+        return (x * weight.detach()).sum() + (weight - weight.detach()).sum() * 2.0
+
+    x, weight = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    assert_equivalent(model, model, x, kwargs={"weight": weight, "scale": 2.0})
+    with pytest.raises(AssertionError, match=r"output 0 differs"):
+        assert_equivalent(model, other_scale, x, kwargs={"weight": weight})
+    with pytest.raises(AssertionError, match=r"gradient of kwargs\['weight'\] differs"):
+        assert_equivalent(model, wrong_gradient, x, kwargs={"weight": weight})
+    assert x.grad is None and weight.grad is None  # the caller's tensors are copied, not used
