@@ -26,15 +26,15 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 import memplan
+from memplan.bench import interleaved_medians
 from memplan.baselines import CheckpointedLatentGRU
 from memplan.capture import capture
 from memplan.examples.latent_gru import LatentGRU
@@ -59,17 +59,6 @@ def _output_bytes(model: nn.Module, inputs: Sequence[torch.Tensor]) -> int:
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for t in torch.utils._pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor)}
     return sum(storages.values())
-
-
-def _median_seconds(steps: Sequence[Callable[[], Any]], repeats: int) -> list[float]:
-    """Median time of each step, timed interleaved (one run of each per round)."""
-    times: list[list[float]] = [[] for _ in steps]
-    for _ in range(repeats):
-        for i, step in enumerate(steps):
-            start = time.perf_counter()
-            step()
-            times[i].append(time.perf_counter() - start)
-    return [statistics.median(t) for t in times]
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
@@ -115,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             step = step_fn(candidate, inputs, train=True)
             step()
             m = measure(step)
-            seconds, reference = _median_seconds([step, eager_step], args.repeats)
+            seconds, reference = interleaved_medians([step, eager_step], args.repeats, torch.device("cpu"))
             rows.append({
                 "steps": steps, "model": label, "peak": m.peak, "activations": m.peak - m.after - outputs,
                 "peak_ratio": eager.peak / m.peak,

@@ -20,9 +20,7 @@ Run ``python benchmarks/transformer_lm.py [--layers 4] [--width 256] [--heads 4]
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -31,6 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import memplan
+from memplan.bench import interleaved_medians
 from memplan.measure import format_bytes, measure
 from memplan.steps import step_fn
 from memplan.testing import assert_equivalent
@@ -80,17 +79,6 @@ class LanguageModel(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def _median_seconds(steps: Sequence[Callable[[], Any]], repeats: int) -> list[float]:
-    """Median time of each step, timed interleaved (one run of each per round)."""
-    times: list[list[float]] = [[] for _ in steps]
-    for _ in range(repeats):
-        for i, step in enumerate(steps):
-            start = time.perf_counter()
-            step()
-            times[i].append(time.perf_counter() - start)
-    return [statistics.median(t) for t in times]
-
-
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -124,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         step = step_fn(candidate, inputs, train=True)
         step()
         peak = measure(step).peak
-        seconds, reference = _median_seconds([step, eager_step], args.repeats)
+        seconds, reference = interleaved_medians([step, eager_step], args.repeats, torch.device("cpu"))
         rows.append({"model": label, "peak": peak, "peak_ratio": eager.peak / peak,
                      "time_ratio": seconds / reference, "plan_seconds": plan_seconds})
     print(f"{'model':32s} {'peak':>11} {'x lower':>8} {'time':>6} {'plan s':>7}")
