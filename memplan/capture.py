@@ -10,7 +10,8 @@ is exactly a tensor autograd saved.
 
 Stages
 ------
-(1) Check and flatten the inputs: tensors only (nested in tuples, lists, dicts); no sparse tensors.
+(1) Check and flatten the inputs: tensors (nested in tuples, lists, dicts; no sparse ones) become
+    placeholders; plain values (None, numbers, strings, dtypes: :data:`STATIC_TYPES`) are constants.
 (2) Build a flat function over ``parameters, buffers, user leaves`` that calls the model with the
     traced parameters and buffers in place of its own (as ``torch.func.functional_call`` does, but
     through the backward too, which may run the module's code again: ``torch.utils.checkpoint``), so

@@ -148,7 +148,7 @@ class Options(nn.Module):
 @pytest.mark.parametrize("passes", ["", None])
 def test_plain_arguments_are_planned_as_constants_one_plan_per_value(passes):
     model = Options()
-    opt = optimize(copy.deepcopy(model), passes=passes) if passes is not None else optimize(copy.deepcopy(model))
+    opt = optimize(copy.deepcopy(model), passes=passes)  # None: the default pipeline
     x, mask = torch.randn(4, 8), torch.rand(4, 8) > 0.5
     calls = [((x,), {}), ((x, None, 0.5), {}), ((x, mask), {"activation": "relu"}),
              ((x,), {"mask": mask, "scale": 2.0, "return_hidden": True}), ((x, None, 0.5), {})]
@@ -166,8 +166,8 @@ def test_a_plain_argument_that_changes_every_call_warns_once():
     with pytest.warns(UserWarning, match=r"8 times .* of args\[2\]: .*torch.tensor\(value\)") as caught:
         for step in range(10):
             torch.testing.assert_close(opt(x, None, 0.1 * step), model(x, None, 0.1 * step))
-    assert len([w for w in caught if "planned this model" in str(w.message)]) == 1
-    assert caught[0].filename == __file__  # it points at the caller's line
+    (replanned,) = [w for w in caught if "planned this model" in str(w.message)]
+    assert replanned.filename == __file__  # it points at the caller's line
     assert opt.plans_built == 10
 
 
