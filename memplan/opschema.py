@@ -54,9 +54,13 @@ def _written_arguments(target: Any) -> tuple[tuple[int, str], ...]:
 def mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The argument nodes an op writes into, from its schema (``add_``'s ``self``, an ``out=``)."""
     target = node.target
-    if isinstance(target, str):
+    known = _WRITTEN.get(id(target))  # the common case, inlined: this runs for every node of every walk
+    if known is not None and known[0] is target:
+        written = known[1]
+    elif isinstance(target, str):
         return []  # a placeholder, attribute or method name: no schema
-    written = _written_arguments(target)
+    else:
+        written = _written_arguments(target)
     if not written:
         return []
     mutated = []
