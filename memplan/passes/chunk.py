@@ -111,7 +111,7 @@ from memplan.analysis.peak import PeakSimulation, live_steps
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph, Phase
 from memplan.errors import InfeasibleBudgetError
-from memplan.graphutil import is_random, mutated_args, packet_name
+from memplan.graphutil import is_pure_view, is_random, mutated_args, packet_name
 from memplan.passes._chunk.cost import CostRates, graph_cost, module_cost, op_work
 from memplan.passes._chunk.graphs import (
     ALIAS_OPS,
@@ -1135,6 +1135,10 @@ class ChunkOptions:
         How many of the largest forward tensors seed the search for an independent dimension.
     seed_fraction : float
         Seed only tensors at least this fraction of the largest one.
+    shallow_fraction : float
+        Each seed also gives a region that starts where its index passes through a value at most
+        this fraction of the seed's size (kept whole and sliced per chunk), rather than where the
+        index enters the graph.
     regions : int
         How many regions one run of the pass may chunk (greedily, one after another).
     evaluate : int
@@ -1163,6 +1167,7 @@ class ChunkOptions:
     counts: tuple[int, ...] = (2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
     seed_nodes: int = 6
     seed_fraction: float = 0.25
+    shallow_fraction: float = 0.125
     regions: int = 3
     evaluate: int = 3
     evaluate_nodes: int = 3000
@@ -1229,8 +1234,17 @@ def _inverse(node: torch.fx.Node, state: Split) -> list[tuple[torch.fx.Node, Spl
     return []
 
 
-def _sources(graph: CapturedGraph, node: torch.fx.Node, state: Split) -> dict[str, Split] | None:
-    """Walk the index back from ``node`` to where it enters the graph or is created (stage 1)."""
+def _sources(graph: CapturedGraph, node: torch.fx.Node, state: Split,
+             small: int | None = None) -> dict[str, Split] | None:
+    """Walk the index back from ``node`` to where it enters the graph or is created (stage 1).
+
+    ``small``: also stop at a value of at most this many bytes. The walk back from a large value can
+    run through the whole model (every op of a transformer keeps its batch independent), and the
+    region flooded from there is the whole model; stopped where the index passes through a value
+    small enough to keep whole (not a view: the walk goes on to its base, which costs no more to
+    slice), it gives the region that makes the large value and nothing before it (the hidden states
+    a vocabulary projection reads, sliced per chunk).
+    """
     found: dict[torch.fx.Node, Split] = {}
     seen: set[tuple[str, Split]] = set()
     stack = [(node, state)]
@@ -1240,7 +1254,8 @@ def _sources(graph: CapturedGraph, node: torch.fx.Node, state: Split) -> dict[st
             continue
         seen.add((n.name, s))
         carriers = []
-        if n.op == "call_function" and graph.phases.get(n.name) is Phase.FORWARD and not is_random(n):
+        if n.op == "call_function" and graph.phases.get(n.name) is Phase.FORWARD and not is_random(n) \
+                and (small is None or n is node or not is_tensor(n) or nbytes(n) > small or is_pure_view(n)):
             carriers = _inverse(n, s)
         if not carriers:
             if found.get(n, s) != s:
@@ -1263,10 +1278,11 @@ def _seed_sets(graph: CapturedGraph, options: ChunkOptions) -> list[tuple[str, d
             for d, size in enumerate(shape_of(node)):
                 if size < 2:
                     continue
-                found = _sources(graph, node, Split(d))
-                if found:
-                    key = frozenset(found.items())
-                    seeds.setdefault(key, (f"dim {d} of {node.name}", found))
+                for label, small in ((f"dim {d} of {node.name}", None),
+                                     (f"dim {d} of {node.name} from small values", int(options.shallow_fraction * nbytes(node)))):
+                    found = _sources(graph, node, Split(d), small)
+                    if found:
+                        seeds.setdefault(frozenset(found.items()), (label, found))
     for spec in graph.inputs:
         if spec.kind != "input":
             continue

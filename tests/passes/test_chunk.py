@@ -108,6 +108,24 @@ class Generator(nn.Module):
         return F.nll_loss(log_probs.reshape(-1, 500), t.reshape(-1))
 
 
+class NormalisedLM(nn.Module):
+    """Token embeddings normalised over the whole batch (which ties every sequence to every other), a
+    hidden layer, a vocabulary head on (batch, time) and cross-entropy on the flattened logits: the
+    batch is independent only from the hidden states on, and ``nn.Linear`` on the 3-d states views
+    its product as (batch, time, vocabulary) before the loss flattens it again."""
+
+    def __init__(self, vocab=2000, width=16):
+        super().__init__()
+        self.embed, self.hidden = nn.Embedding(vocab, width), nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, ids, targets):
+        h = self.embed(ids)
+        h = torch.tanh(self.hidden(h - h.mean((0, 1), keepdim=True)))
+        logits = self.head(h)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
 class ShiftedGenerator(nn.Module):
     """The generator on targets shifted by one step, as a seq2seq model feeds it."""
 
@@ -335,6 +353,31 @@ def test_generator_is_chunked_over_time_despite_shared_sequence_numbers():
     (region,) = plan_chunk(graph, Policy(max_overhead=10.0)).regions
     assert region.units == 12 and any(n.startswith("_log_softmax_backward") for n, _ in region.backward)
     assert region_backward(graph, [n for n, _ in region.forward]) is not None
+
+
+def test_the_logits_of_a_head_after_batch_mixing_layers_are_never_made_whole():
+    # Walked back to where the batch enters the graph, the logits' batch index meets the batch-wide
+    # normalisation and the region stops short of the product; walked back only to the first value
+    # small enough to keep whole (the hidden states), the region holds the head's product, its views
+    # and the loss, so no value outside the loops is as large as the logits.
+    model = NormalisedLM()
+    ids, targets = torch.randint(0, 2000, (4, 16)), torch.randint(0, 2000, (4, 16))
+    opt = memplan.optimize(model, passes="chunk", **FORCE)
+    assert_equivalent(model, opt, ids, targets, **TOL)
+    logits = ids.numel() * 2000 * 4  # bytes
+    graph = opt.plan.graph.gm.graph
+    assert any(n.op == "call_module" for n in graph.nodes)
+    # the largest value outside the loops' bodies (a loop's scratch counts: it is one value)
+    largest = max(v.numel() * v.element_size() for n in graph.nodes for v in _values(n.meta.get("val")))
+    assert largest < logits
+
+
+def _values(value):
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _values(v)]
+    return []
 
 
 # ----------------------------------------------------------------------------------------------
