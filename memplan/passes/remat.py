@@ -1623,10 +1623,10 @@ class VirtualSimulation:
         storages = self.storages = tensors.storages
         self.next_id = max(storages, default=-1) + 1
         self.margin = step_margin(graph)
-        # Per node: the ids of its inputs (call_function nodes only, as the emitted code reads them), the
-        # storages it aliases, and the bytes of its (first) value.
-        self.arg_ids = tuple(tuple(node_id[a] for a in n.all_input_nodes) if n.op == "call_function" else ()
-                             for n in nodes)
+        # Per node: the ids of its inputs (for the nodes the emitted code runs: ops and chunk loops, which
+        # read every input they are given), the storages it aliases, and the bytes of its (first) value.
+        self.arg_ids = tuple(tuple(node_id[a] for a in n.all_input_nodes)
+                             if n.op not in ("placeholder", "get_attr", "output") else () for n in nodes)
         self.alias_ids = tuple(tuple(dict.fromkeys(info.storage for info in infos.get(name, ())))
                                for name in self.names)
         self.value_bytes = {index[name]: found[0].nbytes for name, found in infos.items() if found and name in index}

@@ -32,7 +32,7 @@ from memplan.passes.remat import (
     plan_remat,
     step_margin,
 )
-from memplan.graphutil import mutated_args
+from memplan.graphutil import copy_graph, mutated_args
 from memplan.pipeline import PassManager
 from memplan.policy import Policy
 from memplan.steps import step_fn
@@ -238,6 +238,36 @@ def test_the_virtual_simulation_is_the_simulated_peak_of_the_applied_graph():
         for candidate in candidates:
             applied = apply_remat(graph_of(model, inputs), candidate.plan)
             assert AnalysisManager(applied).get(PeakSimulation).peak + margin == candidate.peak, (name, candidate.label)
+
+
+class MixedHead(nn.Module):
+    """Token and position embeddings, a normalisation over the whole batch, a hidden layer and a
+    vocabulary head with cross-entropy: the chunk pass turns the head and the loss into loops that
+    read the hidden states, and the position embeddings are read by nothing else after the mixing."""
+
+    def __init__(self, vocab=1500, width=16, steps=12):
+        super().__init__()
+        self.embed, self.position = nn.Embedding(vocab, width), nn.Parameter(torch.randn(steps, width))
+        self.hidden, self.head = nn.Linear(width, width), nn.Linear(width, vocab, bias=False)
+
+    def forward(self, ids, targets):
+        h = self.embed(ids)
+        h = h - h.mean((0, 1), keepdim=True)
+        h = torch.tanh(self.hidden(h)) + self.position.exp()
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+
+def test_the_virtual_simulation_counts_what_chunk_loops_read():
+    # A chunk loop (a call_module node) reads its inputs like any op: the simulation of a plan must
+    # keep them alive until the loop runs, as the applied graph's simulation does.
+    model, inputs = MixedHead(), (torch.randint(0, 1500, (4, 12)), torch.randint(0, 1500, (4, 12)))
+    chunked = PassManager("chunk", Policy(max_overhead=10.0)).run(graph_of(model, inputs)).graph
+    assert any(n.op == "call_module" for n in chunked.gm.graph.nodes)
+    _, candidates = plan_remat(chunked, AnalysisManager(chunked), EVERY, ALL)
+    margin = step_margin(chunked)
+    for candidate in candidates:
+        applied = apply_remat(copy_graph(chunked), candidate.plan)
+        assert AnalysisManager(applied).get(PeakSimulation).peak + margin == candidate.peak, candidate.label
 
 
 def test_networkx_cut_of_a_textbook_graph():
