@@ -123,6 +123,7 @@ from memplan.passes._chunk.graphs import (
     owned_by,
     refresh_aliases,
     region_backward,
+    same_layouts,
     stable_toposort,
 )
 from memplan.passes._chunk.loops import (
@@ -762,8 +763,11 @@ def _output_spec(node: torch.fx.Node, state: State) -> LoopOutput:
     value = node.meta["val"]
     shape, stride = tuple(int(s) for s in value.shape), tuple(int(s) for s in value.stride())
     if torch._debug_has_internal_overlap(value) != 0:
-        # a broadcast (``expand``) value: the loop writes its chunks into a dense tensor instead
-        stride = tuple(int(s) for s in torch.empty(shape, device="meta").stride())
+        # A broadcast (``expand``) value, or a view with gaps (one of the parts ``split`` cut from a
+        # projection): the loop writes its chunks into a dense tensor instead, whose dimensions keep
+        # the value's order in memory (``empty_like``'s layout), as an op on the value would: an op
+        # reading it may lay its own output out after it (attention's output follows its query).
+        stride = tuple(int(s) for s in torch.empty_like(torch.empty_strided(shape, stride, device="meta")).stride())
     if isinstance(state, Split):
         return LoopOutput("cat", state.dim, state.inner, shape, stride, dtype=value.dtype)
     if isinstance(state, Partial) and state.kind != "inplace":
@@ -1010,6 +1014,7 @@ def _apply_region(graph: CapturedGraph, region: ChunkRegion, compile: bool) -> _
     for i, node in enumerate(new_fwd):
         priority[node] = first - 0.5 + i * 1e-6
     materialised = {by_name[o.name]: item for o, item in zip(f_outputs, new_fwd[1:])}
+    replaced = list(materialised.items())  # (node, the loop output that stands for it)
     for node, item in materialised.items():
         node.replace_all_uses_with(item, delete_user_cb=lambda u: u not in fset and u not in bset)
 
@@ -1040,17 +1045,20 @@ def _apply_region(graph: CapturedGraph, region: ChunkRegion, compile: bool) -> _
         for i, node in enumerate(new_bwd):
             priority[node] = bfirst - 0.5 + i * 1e-6
         for name, item in zip(region.backward_outputs, new_bwd[1:]):
+            replaced.append((by_name[name], item))
             by_name[name].replace_all_uses_with(item, delete_user_cb=lambda u: u not in bset)
 
     # Step 6c: erase what the loops replaced, then restore a topological order; views of the loops'
-    # outputs get fresh fake values (their old ones alias the replaced nodes' storages).
+    # outputs get fresh fake values (their old ones alias the replaced nodes' storages), and so does
+    # every op downstream of a loop output laid out otherwise than the value it replaces.
+    relaid = [item for node, item in replaced if not same_layouts(node.meta.get("val"), item.meta.get("val"))]
     for node in reversed(body):
         gm.graph.erase_node(node)
     for node in reversed(forward):
         if not node.users:
             gm.graph.erase_node(node)
     stable_toposort(gm.graph, priority)
-    refresh_aliases(gm.graph, new_fwd + new_bwd, mode)
+    refresh_aliases(gm.graph, new_fwd + new_bwd, mode, relaid, root=gm)
     # Step 6d: a loop output that autograd's layout copy copies into a tensor of its very own layout
     # needs no copy.
     for item in new_fwd[1:] + new_bwd[1:]:

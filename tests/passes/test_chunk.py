@@ -25,12 +25,15 @@ from memplan.passes.chunk import (
     ChunkLoop,
     Partial,
     Split,
+    _output_spec,
     apply_chunk,
     chunk_rule,
     map_view,
     plan_chunk,
+    refresh_aliases,
     region_backward,
 )
+from memplan.passes._chunk.graphs import fake_mode_of
 from memplan.policy import Policy
 from memplan.steps import step_fn
 from memplan.testing import assert_equivalent, is_well_conditioned, random_model, zoo
@@ -370,6 +373,41 @@ def test_the_logits_of_a_head_after_batch_mixing_layers_are_never_made_whole():
     # the largest value outside the loops' bodies (a loop's scratch counts: it is one value)
     largest = max(v.numel() * v.element_size() for n in graph.nodes for v in _values(n.meta.get("val")))
     assert largest < logits
+
+
+def test_a_loop_output_with_gaps_keeps_its_order_in_memory():
+    # q of a fused projection (its part of each row, heads in front of time): the loop cannot write the
+    # gaps, and writes a dense tensor in the same order of dimensions, as empty_like would.
+    graph = capture(lambda x: x.split(8, -1)[0].view(2, 5, 2, 4).transpose(1, 2) * 1, torch.randn(2, 5, 24),
+                    train=False)
+    q = next(n for n in graph.gm.graph.nodes if n.name.startswith("transpose"))
+    assert q.meta["val"].stride() == (120, 4, 24, 1)
+    spec = _output_spec(q, Split(0))
+    assert (spec.shape, spec.stride) == ((2, 2, 5, 4), (40, 4, 8, 1))
+
+
+def test_ops_after_a_relaid_loop_output_are_laid_out_again_or_refused():
+    # ``b = a * 2`` follows ``a``'s layout; a loop that makes ``a`` in another layout changes ``b``'s.
+    # Then ``b.sum(0)`` is fine, but a view that needed ``b``'s old layout is refused (ValueError: the
+    # region is not a candidate) rather than left to fail when the plan runs.
+    def fn(x, flat):
+        b = x.t() * 2
+        return (b.t().reshape(-1) if flat else b.sum(0))
+
+    for flat in (False, True):
+        graph = capture(fn, torch.randn(3, 4), flat, train=False)
+        nodes = {n.name: n for n in graph.gm.graph.nodes}
+        a, b = nodes["t"], nodes["mul"]
+        assert b.meta["val"].stride() == (1, 4)
+        mode = fake_mode_of(graph.gm.graph)
+        with mode:
+            a.meta["val"] = torch.empty(4, 3)  # as a loop writing it densely would
+        if flat:
+            with pytest.raises(ValueError, match="cannot run on the layout"):
+                refresh_aliases(graph.gm.graph, [a], mode, relaid=[a])
+        else:
+            refresh_aliases(graph.gm.graph, [a], mode, relaid=[a])
+            assert b.meta["val"].stride() == (3, 1)
 
 
 def _values(value):

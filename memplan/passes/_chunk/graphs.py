@@ -33,6 +33,7 @@ __all__ = [
     "RegionBackward",
     "region_backward",
     "refresh_aliases",
+    "same_layouts",
 ]
 
 
@@ -323,13 +324,73 @@ class _Reach:
                 stack.append(nxt)
 
 
-def refresh_aliases(graph: torch.fx.Graph, starts: Sequence[torch.fx.Node], mode) -> None:
-    """Recompute the fake values of views (and in-place results) downstream of ``starts``, in order."""
+def refresh_aliases(graph: torch.fx.Graph, starts: Sequence[torch.fx.Node], mode,
+                    relaid: Iterable[torch.fx.Node] = (), root: torch.nn.Module | None = None) -> None:
+    """Recompute the fake values of views (and in-place results) downstream of ``starts``, in order.
+
+    ``relaid``: those of ``starts`` whose layout (shape, strides, offset) is not the layout of the
+    value they replace. An op's output layout can follow its inputs' (a pointwise op keeps a
+    transposed input's order; attention's output follows the query's), and a view that was possible
+    on the old layout may not be on the new one, so every op reading a relaid value is run again on
+    the fake values: a different result relays it in turn. A chunk loop of ``root`` that reads one
+    (its bodies were traced on the old layout) has its bodies run on the new. Raises ValueError when a
+    view is no longer possible.
+    """
     dirty = set(starts)
+    relaid = set(relaid)
     for node in graph.nodes:
-        if node.op != "call_function" or not any(a in dirty for a in node.all_input_nodes):
+        inputs = node.all_input_nodes
+        if not any(a in dirty for a in inputs):
+            continue
+        if node.op == "call_module" and any(a in relaid for a in inputs):
+            if root is None:
+                raise ValueError(f"{node.name} reads a relaid value and its loop is not at hand to check")
+            _check_bodies(root.get_submodule(node.target), node, relaid, mode)
+        if node.op != "call_function":
             continue
         aliasing = packet_name(node) in ALIAS_OPS or node.target is operator.getitem or bool(mutated_args(node))
-        if aliasing:
-            node.meta["val"] = fake_call(node.target, node.args, node.kwargs, mode)
+        if not aliasing and not any(a in relaid for a in inputs):
+            continue
+        try:
+            value = fake_call(node.target, node.args, node.kwargs, mode)
+        except (RuntimeError, ValueError) as exc:  # the fake mode raises either for an impossible view
+            raise ValueError(f"{node.name} cannot run on the layout the chunk loops give its input: {exc}") from exc
+        old = node.meta.get("val")
+        if aliasing or not same_layouts(old, value):
+            if not same_layouts(old, value):
+                relaid.add(node)
+            node.meta["val"] = value
             dirty.add(node)
+
+
+def _check_bodies(loop: torch.nn.Module, call: torch.fx.Node, relaid: Container[torch.fx.Node], mode) -> None:
+    """Run every body of the chunk loop ``call`` on fake values, its relaid inputs sliced as the loop
+    slices them; ValueError when one cannot run on the new layout (its bodies were traced on the old)."""
+    spec = loop.spec
+    for length, body in loop.bodies.items():
+        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        values = [p.meta["val"] for p in placeholders]
+        for i, (arg, how) in enumerate(zip(call.args, spec.inputs)):
+            if arg in relaid:
+                value = arg.meta["val"]
+                with mode:
+                    if how.dim is not None:
+                        value = value.narrow(how.dim, 0, int(length) * how.inner)
+                    values[i] = value if how.dtype is None else value.to(how.dtype)
+        try:
+            with mode:
+                torch.fx.Interpreter(body).run(*values)
+        except (RuntimeError, ValueError) as exc:
+            raise ValueError(f"{call.name} cannot run on the layout the chunk loops give its input: {exc}") from exc
+
+
+def same_layouts(a: Any, b: Any) -> bool:
+    """Same shapes, dtypes and strides (of the dimensions longer than one, the only ones a stride
+    means anything for), tensor by tensor (for tuples of tensors too). Offsets may differ: a view of
+    either is laid out alike."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and all(
+            x == y for n, x, y in zip(a.shape, a.stride(), b.stride()) if n > 1)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(same_layouts(x, y) for x, y in zip(a, b))
+    return type(a) is type(b)
