@@ -443,7 +443,9 @@ class PassManager:
         is still lower than every rung before it). Nothing here reads the policy's budget, so for any
         budget the first rung that fits is the same walk cut short. The price: a budget just below a
         rung gets the next one, whose peak (and compute) may be lower than the budget needs. Rungs are
-        built lazily, one pipeline run or two each, from copies of ``graph``. ``known``: as for :meth:`run`.
+        built lazily, one pipeline run or two each, from copies of ``graph``. After the last rung comes the
+        plan without a budget (at the policy's ``max_overhead``) when its peak is lower still, so a budget
+        that the unbudgeted plan meets is never refused. ``known``: as for :meth:`run`.
         """
         result = self._run(copy_graph(graph), dataclasses.replace(self.policy, budget=None, max_overhead=0.0), known)
         lowest = _step_peak(result)
@@ -456,11 +458,18 @@ class PassManager:
                 result = self._run(copy_graph(graph), dataclasses.replace(self.policy, budget=target, when_over="lowest"), known)
                 peak = _step_peak(result)
             if peak >= lowest:
-                return
+                break
             lowest = peak
             yield result, peak
             if peak > target:
-                return  # the lowest plan for a budget it misses: no later rung gets lower
+                break  # the lowest plan for a budget it misses: no later rung gets lower
+        # Last, the plan without a budget, when it is lower: each pass choosing under max_overhead alone can
+        # end lower than the rungs, whose early passes took what met the rung's budget on their own and
+        # left the later passes less to gain (chunk loops that remat can neither save nor recompute).
+        result = self._run(copy_graph(graph), dataclasses.replace(self.policy, budget=None), known)
+        peak = _step_peak(result)
+        if peak < lowest:
+            yield result, peak
 
     def _run(self, graph: CapturedGraph, policy: Policy, known: Mapping[type, Any] | None = None) -> PipelineResult:
         graph = dataclasses.replace(graph, lifetimes="graph")
