@@ -97,6 +97,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -1485,6 +1486,51 @@ def _variants(graph: CapturedGraph, region: ChunkRegion, options: ChunkOptions) 
     return [(base, sizes) for base in bases] if sizes else []
 
 
+def _placeable(graph: CapturedGraph, region: ChunkRegion) -> bool:
+    """Whether the region's loops can be placed at all: the graph, with the region's forward nodes
+    made one node (the forward loop) and its backward nodes another (the backward loop, which also
+    reads what its recomputed forward nodes read), has no cycle. A region that reads, through nodes
+    outside it, a value it makes has one (a flood that went around an op without a chunk rule, such
+    as attention, and met its output again); building it would fail only after the copy of the
+    graph, the loops' bodies and their traces were made.
+
+    A cycle through a loop runs between its first and its last member in graph order, so only the
+    nodes there are walked.
+    """
+    node_of = graph.node
+    group: dict[torch.fx.Node, Any] = {node_of(n): "forward" for n, _ in region.forward}
+    group.update((node_of(n), "backward") for n, _ in region.backward)
+    position = {n: i for i, n in enumerate(graph.gm.graph.nodes)}
+    first, last = min(position[n] for n in group), max(position[n] for n in group)
+    edges: dict[Any, set[Any]] = {}
+    for node in itertools.islice(graph.gm.graph.nodes, first, last + 1):
+        source = group.get(node, node)
+        for user in node.users:
+            if position[user] <= last:
+                target = group.get(user, user)
+                if target is not source:
+                    edges.setdefault(source, set()).add(target)
+    recomputed = set(region.recompute)
+    for name in region.recompute:
+        for arg in node_of(name).all_input_nodes:
+            if arg.name not in recomputed and position[arg] >= first and group.get(arg) != "backward":
+                edges.setdefault(group.get(arg, arg), set()).add("backward")
+    indegree: dict[Any, int] = {}
+    for targets in edges.values():
+        for target in targets:
+            indegree[target] = indegree.get(target, 0) + 1
+    ready = [key for key in edges if not indegree.get(key)]
+    done = 0
+    while ready:
+        key = ready.pop()
+        done += 1
+        for target in edges.get(key, ()):
+            indegree[target] -= 1
+            if not indegree[target]:
+                ready.append(target)
+    return done == len(set(edges) | set(indegree))
+
+
 def _evaluate(graph: CapturedGraph, region: ChunkRegion, sizes: list[int], base_cost: float,
               options: ChunkOptions, policy, finals: dict | None = None) -> list[Candidate]:
     """Build the variant once, then simulate the peak and estimate the extra compute for each chunk
@@ -1691,6 +1737,8 @@ def _plan(
             for variant, sizes in _variants(current, region, opts):
                 fewest = -(-region.units // sizes[0])
                 if policy.budget is None and _overhead_bound(current, variant, opts.rates, fewest) > policy.max_overhead * base_cost:
+                    continue
+                if not _placeable(current, variant):
                     continue
                 # a variant whose body does not trace is dropped: torch's log of the failing op is noise
                 with quiet_meta_failures():
