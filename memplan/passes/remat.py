@@ -1949,6 +1949,7 @@ def plan_remat(
     bounded = options.bound and policy.budget is None
     pending: list[tuple[int, int, RematPlan, CopyPlan, float, str]] = []  # (floor, order, ...) to simulate
     for label, recompute in _cut_sets(facts, options):
+        recompute = _with_tuple_parents(graph, facts, recompute)
         if not recompute or recompute in seen:
             continue
         seen.add(recompute)
@@ -1983,6 +1984,23 @@ def plan_remat(
 
     # Step 6: the policy chooses among the candidates no other beats on both peak and overhead.
     return policy.choose(pareto_front(candidates)), tuple(candidates)
+
+
+def _with_tuple_parents(graph: CapturedGraph, facts: RematFacts, recompute: frozenset[str]) -> frozenset[str]:
+    """``recompute`` with the op of every recomputed ``getitem`` whose op's tuple cannot be saved (a
+    copy of the item would read it): recomputed too when it can be, else the item is saved instead.
+    (Attention's output and log-sum-exp are two items of one tuple; recomputing one of them alone
+    would hand the backward the whole tuple.)"""
+    added, dropped = set(), set()
+    for name in recompute:
+        node = graph.node(name)
+        if node.target is not operator.getitem or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        parent = facts.nodes.get(node.args[0].name)
+        if parent is None or parent.saveable or parent.name in recompute:
+            continue
+        (added if parent.recomputable else dropped).add(parent.name if parent.recomputable else name)
+    return recompute if not added and not dropped else frozenset((recompute | added) - dropped)
 
 
 def pareto_front(candidates: Sequence[Candidate[RematPlan]]) -> list[Candidate[RematPlan]]:

@@ -23,6 +23,7 @@ from memplan.passes.chunk import (
     REP,
     Barrier,
     ChunkLoop,
+    Need,
     Partial,
     Split,
     _output_spec,
@@ -290,6 +291,71 @@ def test_golden_states_of_rules():
     assert chunk_rule(mm, {a: Split(1), w: Split(0)}.get) == Partial("sum")
     assert chunk_rule(exp, {mm: REP}.get) == REP
     assert map_view((16, 64, 32), (1024, 32), Split(0)) == Split(0, 64)
+
+
+def test_golden_states_of_fused_attention():
+    # Batch and heads are independent; query positions are when the attention is not causal (each
+    # chunk of queries then reads every key, and the keys' gradients add up over the chunks); key
+    # positions and features are mixed; with dropout the op draws from the RNG.
+    def attention(q, k, v, causal):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal).sum()
+
+    def ops(causal):
+        q, kv = torch.randn(2, 3, 5, 4, requires_grad=True), torch.randn(2, 3, 6, 4, requires_grad=True)
+        graph = capture(attention, q, kv, kv.detach().clone().requires_grad_(), causal)
+        return [n for n in graph.gm.graph.nodes if "attention" in str(n.target)]
+
+    (forward, backward) = ops(causal=False)
+    q, k, v = forward.args[:3]
+    for d in (0, 1):
+        assert chunk_rule(forward, {q: Split(d), k: Split(d), v: Split(d)}.get) == (Split(d), Split(d))
+        assert chunk_rule(forward, {q: Split(d)}.get) == Need(k, Split(d))
+        assert chunk_rule(backward, {a: Split(d) for a in backward.all_input_nodes}.get) == (Split(d),) * 3
+    assert chunk_rule(forward, {q: Split(2)}.get) == (Split(2), Split(2))
+    grad, query, _, _, out, lse = backward.args[:6]
+    assert chunk_rule(backward, {grad: Split(2), query: Split(2), out: Split(2), lse: Split(2)}.get) == (
+        Split(2), Partial("sum"), Partial("sum"))
+    assert isinstance(chunk_rule(forward, {k: Split(2), v: Split(2)}.get), Barrier)
+    assert isinstance(chunk_rule(forward, {q: Split(3)}.get), Barrier)
+    (causal, _) = ops(causal=True)
+    assert chunk_rule(causal, {causal.args[0]: Split(2)}.get) == Barrier("causal attention along the query positions")
+    assert not is_random(forward)
+    forward.args = (q, k, v, 0.5, False)  # dropout (on the CPU, torch runs it unfused: set it by hand)
+    assert is_random(forward)
+    assert chunk_rule(forward, {q: Split(0), k: Split(0), v: Split(0)}.get) == Barrier("random op")
+
+
+class AttentionThenVocabulary(nn.Module):
+    """Queries attend to a few keys (not causally), then each attended vector is scored against a
+    vocabulary, and the softmax of the scores weighs the vocabulary back: the scores are the large
+    value, and the softmax mixes the vocabulary."""
+
+    def __init__(self):
+        super().__init__()
+        self.vocabulary = nn.Parameter(torch.randn(16, 600) * 0.1)
+
+    def forward(self, q, k, v):
+        scores = F.scaled_dot_product_attention(q, k, v) @ self.vocabulary
+        return (scores.softmax(-1) @ self.vocabulary.t()).pow(2).sum()
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_attention_runs_in_chunks_of_queries_or_batch_and_is_equivalent(train):
+    # With only the walks back to where the index enters (no region starting at the small attention
+    # output), the region holds the attention: queries, keys and values are sliced (or handed whole).
+    torch.manual_seed(0)
+    model = AttentionThenVocabulary()
+    inputs = [torch.randn(2, 2, 48, 16), torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16)]
+    inputs = [t.requires_grad_(train) for t in inputs]
+    opt = memplan.optimize(model, passes="chunk", options={"chunk.shallow_fraction": 0.0}, **FORCE)
+    if train:
+        assert_equivalent(model, opt, *inputs, **TOL)
+    else:
+        with torch.no_grad():
+            torch.testing.assert_close(opt(*inputs), model(*inputs), **TOL)
+    loops = [m for m in opt.plan.graph.gm.modules() if isinstance(m, ChunkLoop)]
+    assert loops and any("attention" in str(n.target) for loop in loops for body in loop.bodies.values()
+                         for n in body.graph.nodes)
 
 
 def test_a_partial_sum_times_itself_is_not_partial():

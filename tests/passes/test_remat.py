@@ -270,6 +270,30 @@ def test_the_virtual_simulation_counts_what_chunk_loops_read():
         assert AnalysisManager(applied).get(PeakSimulation).peak + margin == candidate.peak, candidate.label
 
 
+def test_an_item_of_a_tuple_that_cannot_be_saved_is_recomputed_with_its_op():
+    # Attention returns (output, log-sum-exp) as one tuple, which the emitted code cannot save: a plan
+    # recomputing one item recomputes the op too, and every candidate plan runs and is equivalent.
+    from memplan.passes.remat import _with_tuple_parents
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(16, 48)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(2, 10, 3, 2, 8).permute(2, 0, 3, 1, 4)
+            return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).tanh()
+
+    model, inputs = Attention(), (torch.randn(2, 10, 16),)
+    graph = graph_of(model, inputs)
+    facts = RematFacts.compute(graph, AnalysisManager(graph))
+    op = next(n for n in graph.gm.graph.nodes if "attention" in str(n.target) and graph.phases[n.name] is Phase.FORWARD)
+    item = next(iter(op.users)).name
+    assert facts.nodes[op.name].recomputable and not facts.nodes[op.name].saveable
+    assert _with_tuple_parents(graph, facts, frozenset({item})) == {item, op.name}
+    assert_equivalent(model, optimize(model, passes="remat", max_overhead=10.0), *inputs)
+
+
 def test_networkx_cut_of_a_textbook_graph():
     """``(x @ w).relu() * 2 -> sin -> cos``: the relu is saved (the relu backward reads it anyway), the
     product and the sine are recomputed from it; at a high price of compute nothing is."""

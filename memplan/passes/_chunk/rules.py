@@ -20,7 +20,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from memplan.graphutil import packet_name
+from memplan.graphutil import is_random, packet_name
 
 __all__ = [
     "Split",
@@ -373,7 +373,7 @@ def chunk_rule(node: torch.fx.Node, st: Callable[[Any], State], is_zero: Callabl
         return REP  # shape-only: relabelled on demand (see Need handling)
     if all(isinstance(s, Replicated) for s in in_states):
         return REP
-    if random:
+    if random and is_random(node):
         return Barrier("random op")
     value = node.meta.get("val")
     out_shape = tuple(value.shape) if isinstance(value, torch.Tensor) else ()
@@ -512,11 +512,81 @@ def chunk_rule(node: torch.fx.Node, st: Callable[[Any], State], is_zero: Callabl
         if isinstance(split, Split) and split.dim == 0 and not isinstance(state(node.args[2]), (Split, Partial)):
             return (split, Partial("sum"), Partial("sum"))
         return split if not isinstance(split, Split) else Barrier("convolution over a non-batch dimension")
+    if name in _ATTENTION:
+        return _attention(node, state)
+    if name in _ATTENTION_BACKWARD:
+        return _attention_backward(node, state)
     if is_pointwise(node):
         if not out_shape and not isinstance(value, torch.Tensor):
             return Barrier("pointwise op without a tensor value")
         return _pointwise(node, state, out_shape, tensors)
     return Barrier(f"no chunk rule for {name or node.target}")
+
+
+# Fused attention as ``scaled_dot_product_attention`` runs it on the CPU: query, key and value are
+# (batch, heads, positions, features); the outputs are the attention (batch, heads, query positions,
+# features) and the log-sum-exp of each query's scores (batch, heads, query positions). The backward
+# takes the output's gradient, the three inputs, the output and the log-sum-exp.
+_ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu"}
+_ATTENTION_BACKWARD = {"_scaled_dot_product_flash_attention_for_cpu_backward"}
+
+
+def _attention_split(node: torch.fx.Node, st, per_query: Sequence[Any], shared: Sequence[Any], flags: int) -> RuleResult:
+    """The split of an attention op whose query-side tensors are ``per_query`` (the query first) and
+    key-side ``shared`` (key and value); ``dropout_p`` and ``is_causal`` are arguments ``flags`` and
+    ``flags + 1``.
+
+    Batch and heads (dimensions 0 and 1) are independent: every tensor carries the index there. Query
+    positions (dimension 2) are independent when the attention is not causal (a causal mask is
+    relative to each chunk's first query, not the sequence's): the query side carries the index, the
+    key side is whole in every chunk. Key positions and features are mixed. The mask, broadcast from
+    the right, carries the index where it is not of size one.
+    """
+    if arg_of(node, flags, "dropout_p", 0.0):
+        return Barrier("attention with dropout")
+    if any(len(shape_of(t)) != 4 for t in (per_query[0], *shared)):
+        return Barrier("attention on other than (batch, heads, positions, features)")
+    tensors = [*per_query, *shared]
+    if any(isinstance(st(t), Partial) for t in tensors):
+        return Barrier("attention of a partial")
+    queries = {st(t) for t in per_query if isinstance(st(t), Split)}
+    if len(queries) == 1 and next(iter(queries)).dim == 2 and not any(isinstance(st(t), Split) for t in shared):
+        if arg_of(node, flags + 1, "is_causal", False):
+            return Barrier("causal attention along the query positions")
+        split = _same_dim_all(node, st, per_query, None, None)
+    elif any(isinstance(st(t), Split) and st(t).dim > 1 for t in tensors):
+        return Barrier("attention along key positions or features")
+    else:
+        split = _same_dim_all(node, st, tensors, None, None)
+    if not isinstance(split, Split):
+        return split
+    mask = node.kwargs.get("attn_mask")
+    if isinstance(mask, torch.fx.Node):
+        rank = len(shape_of(mask))
+        aligned = split.dim - (4 - rank) if split.dim < 2 else rank - 2
+        carries = 0 <= aligned < rank and shape_of(mask)[aligned] != 1
+        mask_state = st(mask)
+        if not carries and not isinstance(mask_state, Replicated):
+            return Barrier("mask carries another index")
+        if carries and mask_state != Split(aligned, split.inner):
+            return Need(mask, Split(aligned, split.inner)) if isinstance(mask_state, Replicated) else Barrier("mask split elsewhere")
+    return split
+
+
+def _attention(node: torch.fx.Node, st) -> RuleResult:
+    query, key, value = node.args[:3]
+    split = _attention_split(node, st, [query], [key, value], 3)
+    return (split, split) if isinstance(split, Split) else split
+
+
+def _attention_backward(node: torch.fx.Node, st) -> RuleResult:
+    grad_out, query, key, value, out, logsumexp = node.args[:6]
+    split = _attention_split(node, st, [query, grad_out, out, logsumexp], [key, value], 6)
+    if not isinstance(split, Split):
+        return split
+    if split.dim == 2:  # each chunk of queries adds its part to the keys' and values' gradients
+        return (split, Partial("sum"), Partial("sum"))
+    return (split, split, split)
 
 
 def operand_requests(node: torch.fx.Node, st: Callable[[Any], State]) -> tuple[Split, list[torch.fx.Node]] | None:
