@@ -302,3 +302,22 @@ def test_a_language_model_meets_budgets_down_to_half_its_eager_peak():
         assert peak == opt.plan.planned_peak + step_margin(opt.plan.graph) and peak <= budget
         assert last is None or peak <= last
         last = peak
+
+
+@pytest.mark.parametrize("name", ["tiny_lm", "chain_product", "maxsim", "seq2seq"])
+def test_the_regions_chunk_takes_share_one_overhead_allowance(name):
+    """Each region the chunk pass takes after the first is priced against the graph the pass was
+    given, so all of them together stay within max_overhead (estimated: the pass's recompute_added)."""
+    from memplan.api import optimize
+    from memplan.examples import make
+
+    torch.manual_seed(0)
+    if name == "tiny_lm":
+        model, inputs = _TinyLM(), (torch.randint(0, 400, (8, 16)), torch.randint(0, 400, (8, 16)))
+    else:
+        workload = make(name)
+        model, inputs = workload.model, workload.inputs
+    for max_overhead in (0.1, 0.3):
+        opt = optimize(model, passes="rewrite,chunk", max_overhead=max_overhead)
+        opt(*inputs)
+        assert opt.plan.records[-1].stats.recompute_added <= max_overhead + 1e-9

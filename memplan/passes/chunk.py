@@ -1718,10 +1718,13 @@ def _plan(
     chosen: list[ChunkRegion] = []
     current = graph
     am = am if am is not None else AnalysisManager(graph)
+    # Overheads are against the graph the pass was given, so the regions of later rounds share one
+    # max_overhead with the earlier ones instead of each taking it again on top of them.
+    base_cost = None  # priced only when some region gets past the peak bound
+    spent = 0.0  # the extra cost of the regions chosen so far, against base_cost
     for _ in range(opts.regions):
         base_peak = am.get(PeakSimulation).peak
-        base_cost = None  # priced only when some region gets past the peak bound
-        candidates: list[Candidate] = [Candidate(None, base_peak, 0.0, "unchunked")]
+        candidates: list[Candidate] = [Candidate(None, base_peak, spent, "unchunked")]
         finals: dict[ChunkRegion, Callable[[], CapturedGraph]] = {}
         over_budget = policy.budget is not None and base_peak > policy.budget
         worth = base_peak if over_budget else (1.0 - opts.min_gain) * base_peak
@@ -1736,7 +1739,7 @@ def _plan(
                 base_cost = graph_cost(current, opts.rates)
             for variant, sizes in _variants(current, region, opts):
                 fewest = -(-region.units // sizes[0])
-                if policy.budget is None and _overhead_bound(current, variant, opts.rates, fewest) > policy.max_overhead * base_cost:
+                if policy.budget is None and _overhead_bound(current, variant, opts.rates, fewest) > (policy.max_overhead - spent) * base_cost:
                     continue
                 if not _placeable(current, variant):
                     continue
@@ -1752,6 +1755,7 @@ def _plan(
         chosen.append(best.plan)
         current = finals[best.plan]() if best.plan in finals else apply_region(current, best.plan)
         am = AnalysisManager(current)
+        spent = best.overhead
     return ChunkPlan(tuple(chosen)), current
 
 
