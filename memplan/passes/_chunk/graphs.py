@@ -328,7 +328,7 @@ def refresh_aliases(graph: torch.fx.Graph, starts: Sequence[torch.fx.Node], mode
                     relaid: Iterable[torch.fx.Node] = (), root: torch.nn.Module | None = None) -> None:
     """Recompute the fake values of views (and in-place results) downstream of ``starts``, in order.
 
-    ``relaid``: those of ``starts`` whose layout (shape, strides, offset) is not the layout of the
+    ``relaid``: those of ``starts`` whose layout (see :func:`same_layouts`) is not the layout of the
     value they replace. An op's output layout can follow its inputs' (a pointwise op keeps a
     transposed input's order; attention's output follows the query's), and a view that was possible
     on the old layout may not be on the new one, so every op reading a relaid value is run again on
