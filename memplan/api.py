@@ -332,7 +332,11 @@ def _external_bytes(graph: CapturedGraph) -> int:
 
 
 def _check_mutations(graph: CapturedGraph, am: AnalysisManager | None = None) -> None:
-    """In-place writes to inputs that require grad cannot go through one autograd.Function."""
+    """In-place writes to inputs that require grad cannot go through one autograd.Function. A plan
+    for inference runs outside autograd and writes where eager does (``nn.Embedding(max_norm=...)``
+    renormalises the rows it reads in its weight, as eager does under ``torch.no_grad()``)."""
+    if not graph.training:
+        return
     tensors = (am or AnalysisManager(graph)).get(Tensors)
     owner = {}
     for spec in graph.inputs:

@@ -305,6 +305,29 @@ def test_inplace_update_of_a_parameter_is_a_clear_error():
         opt(torch.randn(3, requires_grad=True))
 
 
+def test_inference_renormalises_embedding_rows_in_place_as_eager_does():
+    # nn.Embedding(max_norm=...) rescales the rows it reads in its own weight. Under no_grad eager
+    # does so, and so does a plan for inference (it runs outside autograd); training still refuses.
+    class Lookup(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.out = nn.Embedding(50, 8, max_norm=1.0), nn.Linear(8, 3)
+
+        def forward(self, ids):
+            return self.out(self.embed(ids)).sum(1)
+
+    torch.manual_seed(0)
+    model, ids = Lookup(), torch.randint(0, 50, (4, 6))
+    reference, before = copy.deepcopy(model), model.embed.weight.detach().clone()
+    with torch.no_grad():
+        torch.testing.assert_close(optimize(model)(ids), reference(ids))
+    torch.testing.assert_close(model.embed.weight, reference.embed.weight)
+    assert not torch.equal(model.embed.weight, before)  # the rows read were rescaled...
+    assert (model.embed.weight[ids.unique()].norm(dim=1) <= 1.0 + 1e-4).all()  # ...to norm 1 at most
+    with pytest.raises(CaptureError, match="writes in place into parameter 'embed.weight'"):
+        optimize(Lookup())(ids).sum().backward()
+
+
 class MutatesDifferentiable(nn.Module):
     def __init__(self):
         super().__init__()
