@@ -397,7 +397,7 @@ def capture(
             return contextlib.nullcontext()
         p = dict(zip(param_names, flat[:n_params]))
         b = dict(zip(buffer_names, flat[n_params : n_params + n_buffers]))
-        return _reparametrize_module(model, {**p, **b}, tie_weights=True, strict=False)
+        return _restoring_rnn_weights(model, _reparametrize_module(model, {**p, **b}, tie_weights=True, strict=False))
 
     def tag_backward(roots: list[torch.Tensor]) -> None:
         _check_constants(model, tracer)
@@ -722,6 +722,22 @@ def _layout(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return tuple(_layout(item) for item in value)
     return None
+
+
+@contextlib.contextmanager
+def _restoring_rnn_weights(model: nn.Module, substitution: contextlib.AbstractContextManager) -> Iterator[None]:
+    """``substitution``, after which every recurrent module (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) lists its
+    own weights again. Such a module keeps a list of its weights (``_flat_weights``), which swapping
+    the traced ones in fills and swapping its own back does not refill: it would keep the trace's fake
+    tensors alive with the module, and the next capture would start from them."""
+    try:
+        with substitution:
+            yield
+    finally:
+        for module in model.modules():
+            names = getattr(module, "_flat_weights_names", None)
+            if isinstance(module, nn.RNNBase) and names is not None:
+                module._flat_weights = [getattr(module, name, None) for name in names]
 
 
 def _check_constants(model: Any, tracer: Any) -> None:

@@ -387,3 +387,13 @@ def test_repeated_views_of_an_input_are_read_once_unless_the_input_is_written():
     cg = capture(written, *args(), train=False)
     assert sum(n.target is torch.ops.aten.t.default for n in cg.gm.graph.nodes) == 2
     torch.testing.assert_close(optimize(written)(*args()), written(*args()), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU])
+def test_a_recurrent_module_lists_its_own_weights_after_capture(cell):
+    # nn.LSTM keeps a list of its weights; swapping the traced ones in and its own back must leave
+    # the list holding its parameters, not the trace's fake tensors.
+    model = cell(8, 16, num_layers=2)
+    capture(model, torch.randn(5, 3, 8))
+    assert all(type(w) is nn.Parameter for w in model._flat_weights)
+    assert [w is getattr(model, name) for w, name in zip(model._flat_weights, model._flat_weights_names)] == [True] * len(model._flat_weights)
