@@ -12,6 +12,7 @@ from memplan.api import OptimizedModule, Plan, optimize
 from memplan.capture import CapturedGraph
 from memplan.errors import (
     CaptureError,
+    HigherOrderGradientError,
     InfeasibleBudgetError,
     MemplanError,
     PassError,
@@ -34,6 +35,7 @@ __all__ = [
     "Measurement",
     "MemplanError",
     "CaptureError",
+    "HigherOrderGradientError",
     "UnsupportedInputError",
     "UnsupportedNodeError",
     "InfeasibleBudgetError",

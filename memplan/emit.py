@@ -46,6 +46,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.capture import CapturedGraph, Phase
+from memplan.errors import HigherOrderGradientError
 from memplan.opschema import GRAD_MODE_OPS
 
 __all__ = ["Emitted", "emit", "PlanFunction"]
@@ -258,11 +259,37 @@ class PlanFunction(torch.autograd.Function):
         ctx.maybe_clear_saved_tensors()
         for i in emitted.differentiable:
             args.append(_as_traced_layout(grad_outputs[i]))
-        grads = emitted.run_backward(args)
+        # Autograd runs a backward with grad mode on only for create_graph=True. The gradients are still
+        # the plan's (computed without recording), and asking for their own gradients is refused: a
+        # graph recorded through the plan's code would miss every term through the values it saved.
+        anchors = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad] if torch.is_grad_enabled() else []
+        with torch.no_grad():
+            grads = emitted.run_backward(args)
+        if anchors:
+            grads = [g if not isinstance(g, torch.Tensor) else _FirstOrderOnly.apply(g, *anchors) for g in grads]
         result: list[Any] = [None] * (1 + ctx.n_inputs)
         for index, grad in zip(emitted.grad_inputs, grads):
             result[1 + index] = grad
         return tuple(result)
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """Hands on a gradient a plan computed; differentiating it raises :class:`HigherOrderGradientError`.
+    ``anchors`` (the backward's inputs that require grad) only connect it to the graph."""
+
+    @staticmethod
+    def forward(ctx: Any, grad: torch.Tensor, *anchors: torch.Tensor) -> torch.Tensor:
+        return grad.view_as(grad)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
+        raise HigherOrderGradientError(
+            "a gradient of memplan's gradients was asked for (the gradients came from backward or "
+            "torch.autograd.grad with create_graph=True, then were differentiated again: a gradient "
+            "penalty, a Hessian-vector product, MAML). A plan computes first-order gradients from "
+            "values it saved outside autograd, so their own gradients would miss every term through "
+            "those values. Fix: run this computation with the model itself (opt.original)."
+        )
 
 
 _OP_CALL = re.compile(r"torch\.ops\.(\w+)\.(\w+)\.(\w+)\(")

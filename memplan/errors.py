@@ -13,6 +13,7 @@ __all__ = [
     "UnsupportedNodeError",
     "InfeasibleBudgetError",
     "PassError",
+    "HigherOrderGradientError",
 ]
 
 
@@ -46,3 +47,9 @@ class InfeasibleBudgetError(MemplanError):
 
 class PassError(MemplanError):
     """A pass failed or broke an invariant; names the pass and the pipeline before it."""
+
+
+class HigherOrderGradientError(MemplanError, RuntimeError):
+    """A gradient of a plan's gradients was asked for (``create_graph=True``): a plan computes
+    first-order gradients from values it saved without autograd, so their own gradients would miss
+    every term through those values."""

@@ -470,3 +470,21 @@ def test_public_api():
         optimize(nn.Linear(2, 2), fallback="sometimes")
     with pytest.raises(ValueError, match="unknown pass"):
         optimize(nn.Linear(2, 2), passes="nonexistent")
+
+
+def test_gradients_of_gradients_are_refused_not_wrong():
+    # A plan's backward runs outside autograd: the gradients it hands back are exact, but a graph
+    # recorded through it would miss every term through its saved values. With create_graph=True the
+    # first-order gradients are still eager's, and differentiating them again raises.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    x = torch.randn(5, 6, requires_grad=True)
+    opt = optimize(model)
+    (eager,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)
+    (planned,) = torch.autograd.grad(opt(x).sum(), x, create_graph=True)
+    torch.testing.assert_close(planned, eager)
+    with pytest.raises(memplan.HigherOrderGradientError, match="create_graph=True"):
+        planned.pow(2).sum().backward()  # a gradient penalty
+    x.grad = None
+    opt(x).sum().backward(create_graph=True)  # asked for, never used: the gradients are still right
+    torch.testing.assert_close(x.grad, eager.detach())
