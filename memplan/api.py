@@ -410,6 +410,11 @@ def optimize(
     """
     from memplan.pipeline import parse_pipeline
 
+    if type(model).__name__ == "OptimizedModule" and type(model).__module__.startswith("torch._dynamo"):
+        raise CaptureError(
+            "memplan traces a model's own code, and torch.compile's wrapper cannot be traced. Fix: pass "
+            "the module itself, memplan.optimize(model) (a compiled module keeps it as ._orig_mod)."
+        )
     names = parse_pipeline(DEFAULT_PIPELINE if passes is None else passes)
     return OptimizedModule(
         model, policy=Policy(budget=budget, max_overhead=max_overhead), passes=names, fallback=fallback, options=options

@@ -488,3 +488,12 @@ def test_gradients_of_gradients_are_refused_not_wrong():
     x.grad = None
     opt(x).sum().backward(create_graph=True)  # asked for, never used: the gradients are still right
     torch.testing.assert_close(x.grad, eager.detach())
+
+
+def test_a_compiled_module_is_refused_with_the_fix():
+    compiled = torch.compile(nn.Linear(4, 2))
+    with pytest.raises(CaptureError, match=r"torch.compile.*_orig_mod"):
+        optimize(compiled)
+    opt = optimize(compiled._orig_mod)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(opt(x), compiled._orig_mod(x))
