@@ -104,9 +104,15 @@ def new_fake_mode() -> FakeTensorMode:
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     with functorch_config.patch(fake_tensor_allow_unsafe_data_ptr_access=False):
-        return FakeTensorMode(
+        mode = FakeTensorMode(
             allow_fallback_kernels=True, allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True
         )
+    # Without torch's dispatch cache, shared by every fake mode of the process: it rebuilds the outputs
+    # of a cached call on storages of their own, where the kernel gives outputs that share one (oneDNN's
+    # LSTM backward returns the two bias gradients on one storage), so a capture would depend on what
+    # the process traced before. The tracer keeps its own cache, which records how outputs alias.
+    mode.cache_enabled = False
+    return mode
 
 
 class _MetaFailureFilter(logging.Filter):
