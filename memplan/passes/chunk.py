@@ -1502,33 +1502,22 @@ def _placeable(graph: CapturedGraph, region: ChunkRegion) -> bool:
     group.update((node_of(n), "backward") for n, _ in region.backward)
     position = {n: i for i, n in enumerate(graph.gm.graph.nodes)}
     first, last = min(position[n] for n in group), max(position[n] for n in group)
-    edges: dict[Any, set[Any]] = {}
+    import networkx as nx  # here: only regions about to be built are checked
+
+    contracted = nx.DiGraph()
     for node in itertools.islice(graph.gm.graph.nodes, first, last + 1):
         source = group.get(node, node)
         for user in node.users:
             if position[user] <= last:
                 target = group.get(user, user)
                 if target is not source:
-                    edges.setdefault(source, set()).add(target)
+                    contracted.add_edge(source, target)
     recomputed = set(region.recompute)
     for name in region.recompute:
         for arg in node_of(name).all_input_nodes:
             if arg.name not in recomputed and position[arg] >= first and group.get(arg) != "backward":
-                edges.setdefault(group.get(arg, arg), set()).add("backward")
-    indegree: dict[Any, int] = {}
-    for targets in edges.values():
-        for target in targets:
-            indegree[target] = indegree.get(target, 0) + 1
-    ready = [key for key in edges if not indegree.get(key)]
-    done = 0
-    while ready:
-        key = ready.pop()
-        done += 1
-        for target in edges.get(key, ()):
-            indegree[target] -= 1
-            if not indegree[target]:
-                ready.append(target)
-    return done == len(set(edges) | set(indegree))
+                contracted.add_edge(group.get(arg, arg), "backward")
+    return nx.is_directed_acyclic_graph(contracted)
 
 
 def _evaluate(graph: CapturedGraph, region: ChunkRegion, sizes: list[int], base_cost: float,
