@@ -1999,7 +1999,10 @@ def _with_tuple_parents(graph: CapturedGraph, facts: RematFacts, recompute: froz
         parent = facts.nodes.get(node.args[0].name)
         if parent is None or parent.saveable or parent.name in recompute:
             continue
-        (added if parent.recomputable else dropped).add(parent.name if parent.recomputable else name)
+        if parent.recomputable:
+            added.add(parent.name)
+        else:
+            dropped.add(name)
     return recompute if not added and not dropped else frozenset((recompute | added) - dropped)
 
 

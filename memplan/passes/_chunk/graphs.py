@@ -355,10 +355,10 @@ def refresh_aliases(graph: torch.fx.Graph, starts: Sequence[torch.fx.Node], mode
             value = fake_call(node.target, node.args, node.kwargs, mode)
         except (RuntimeError, ValueError) as exc:  # the fake mode raises either for an impossible view
             raise ValueError(f"{node.name} cannot run on the layout the chunk loops give its input: {exc}") from exc
-        old = node.meta.get("val")
-        if aliasing or not same_layouts(old, value):
-            if not same_layouts(old, value):
-                relaid.add(node)
+        moved = not same_layouts(node.meta.get("val"), value)
+        if moved:
+            relaid.add(node)
+        if aliasing or moved:
             node.meta["val"] = value
             dirty.add(node)
 
