@@ -73,6 +73,7 @@ reductions: their out variants need the ``arena`` preallocation).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import math
@@ -492,7 +493,11 @@ def fuse_accumulations(graph: CapturedGraph) -> tuple[CapturedGraph, int]:
     a.t())``, the form of a linear layer's weight gradient). Conditions: the accumulation is
     ``add_.Tensor`` with ``alpha`` 1 writing into ``acc``, not into the product; the product and the
     transposes are read by nothing else; the product has ``acc``'s shape, dtype and device; nothing
-    between the product and the accumulation writes ``a`` or ``b`` (through any alias).
+    between the definitions of ``a`` and ``b`` and the accumulation writes them (through any alias).
+    A write before the product would be harmless to the values (the product read after it too), but
+    the fused op would then read through an alias made before a write, a read the pipeline's check
+    (:func:`~memplan.pipeline.mutation_hazards`) finds in no earlier graph: autograd's gradient of
+    ``y[:, 0] += 1`` writes into a slice of a gradient that a weight's product then reads.
 
     Examples
     --------
@@ -510,6 +515,12 @@ def fuse_accumulations(graph: CapturedGraph) -> tuple[CapturedGraph, int]:
     editor = GraphEditor(graph)
     nodes = list(graph.gm.graph.nodes)
     order = {node: i for i, node in enumerate(nodes)}
+    writes: dict[StorageWeakRef, list[int]] = {}  # storage -> positions of the ops writing into it, ascending
+    for i, n in enumerate(nodes):
+        if n.op == "call_function":
+            for target in mutated_args(n):
+                if isinstance(target.meta.get("val"), torch.Tensor):
+                    writes.setdefault(StorageWeakRef(target.meta["val"].untyped_storage()), []).append(i)
     fused = 0
     for node in nodes:
         if node.target is not torch.ops.aten.add_.Tensor or node.kwargs.get("alpha", 1) != 1 or len(node.args) != 2:
@@ -525,12 +536,7 @@ def fuse_accumulations(graph: CapturedGraph) -> tuple[CapturedGraph, int]:
         if (acc_value.shape, acc_value.dtype, acc_value.device) != (value.shape, value.dtype, value.device):
             continue
         a, b = product.args[:2]
-        read = {StorageWeakRef(x.meta["val"].untyped_storage()) for x in (a, b)
-                if isinstance(x, torch.fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)}
-        between = nodes[order[product] + 1:order[node]]
-        if any(StorageWeakRef(t.meta["val"].untyped_storage()) in read
-               for n in between if n.op == "call_function" for t in mutated_args(n)
-               if isinstance(t.meta.get("val"), torch.Tensor)):
+        if any(_written_between(writes, x, order.get(x, -1), order[node]) for x in (a, b)):
             continue
         if transposes % 2:  # (a @ b).T == b.T @ a.T
             flip = ((torch.ops.aten.t.default, ()) if product.target is torch.ops.aten.mm.default
@@ -546,6 +552,17 @@ def fuse_accumulations(graph: CapturedGraph) -> tuple[CapturedGraph, int]:
             editor.erase(dead)
         fused += 1
     return editor.finish(), fused
+
+
+def _written_between(writes: Mapping[StorageWeakRef, list[int]], node: Any, start: int, end: int) -> bool:
+    """Whether an op at a position strictly between ``start`` and ``end`` writes into ``node``'s storage
+    (``writes``: ascending write positions by storage)."""
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    if not isinstance(value, torch.Tensor):
+        return False
+    positions = writes.get(StorageWeakRef(value.untyped_storage()), ())
+    first_after = bisect.bisect_right(positions, start)
+    return first_after < len(positions) and positions[first_after] < end
 
 
 # ----------------------------------------------------------------------------------------------
