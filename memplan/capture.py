@@ -49,6 +49,7 @@ import gc
 import heapq
 import os
 import linecache
+import re
 import sys
 import traceback
 import weakref
@@ -812,10 +813,19 @@ def _capture_error(model: Any, exc: BaseException) -> CaptureError:
                 "or call torch.distributions.Distribution.set_default_validate_args(False) once."
             )
         return CaptureError(
-            f"memplan cannot capture {name}: its Python control flow or output shapes depend on tensor values{at}. "
-            "A static plan needs the same ops for every input of a given shape. "
-            "Fix: express the branch with tensor ops (torch.where, masking), move it outside the model, "
-            'or pass fallback="eager" to memplan.optimize to run this model eagerly.'
+            f"memplan cannot capture {name}: its Python control flow or output shapes depend on tensor values{at} "
+            "(a branch on a tensor, float(t) or int(t) of one, or an op whose output size depends on values, "
+            "such as nonzero or masked_select). A static plan needs the same ops for every input of a given "
+            "shape. Fix: express the branch with tensor ops (torch.where, masking), keep values tensors, move "
+            'it outside the model, or pass fallback="eager" to memplan.optimize to run this model eagerly.'
+        )
+    if isinstance(exc, RuntimeError) and re.search(r"Sym(Int|Float|Bool)\b.*is not tracked with proxy", str(exc)):
+        return CaptureError(
+            f"memplan cannot capture {name}: it computes in Python with a value read from a tensor{at} (a "
+            "branch on it, or Python arithmetic such as sum() over .tolist()). A plan can carry a value read "
+            "by .item() only straight into tensor ops. Fix: keep the computation in tensor ops (y.sum() "
+            "rather than sum(y.tolist()), torch.where for a branch), move it outside the model, or pass "
+            'fallback="eager" to memplan.optimize to run this model eagerly.'
         )
     if isinstance(exc, NotDenseError):
         return CaptureError(

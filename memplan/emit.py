@@ -243,7 +243,12 @@ class PlanFunction(torch.autograd.Function):
         saved = results[emitted.n_outputs :]
         ctx.emitted = emitted
         ctx.n_inputs = len(flat)
-        ctx.save_for_backward(*saved)
+        # Tensors go through autograd's saving; the plain values a graph can save too (a Python number
+        # read from a tensor by .item() that the backward reads) are kept on ctx, in their places.
+        ctx.tensor_slots = [v is None or isinstance(v, torch.Tensor) for v in saved]
+        ctx.save_for_backward(*[v for v, slot in zip(saved, ctx.tensor_slots) if slot])
+        ctx.plain_values = None if all(ctx.tensor_slots) else [
+            None if slot else v for v, slot in zip(saved, ctx.tensor_slots)]
         differentiable = set(emitted.differentiable)
         ctx.mark_non_differentiable(
             *[o for i, o in enumerate(outputs) if isinstance(o, torch.Tensor) and i not in differentiable]
@@ -254,6 +259,9 @@ class PlanFunction(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
         emitted: Emitted = ctx.emitted
         args: list[Any] = list(ctx.saved_tensors)
+        if ctx.plain_values is not None:
+            tensors = iter(args)
+            args = [next(tensors) if slot else v for v, slot in zip(ctx.plain_values, ctx.tensor_slots)]
         # Autograd would keep its copies until this whole backward returns; drop them now (unless the
         # graph is retained), so the boxed backward frees each saved tensor at its last use.
         ctx.maybe_clear_saved_tensors()

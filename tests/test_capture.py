@@ -119,6 +119,44 @@ def test_data_dependent_control_flow_names_the_line_and_suggests_eager_fallback(
     assert 'fallback="eager"' in message
 
 
+def _branch_on_item(x):
+    return x * 2 if x.mean().item() > 0 else x
+
+
+def _sum_of_tolist(x):
+    return x * sum(x[0].tolist())
+
+
+@pytest.mark.parametrize("fn, line", [(_branch_on_item, "x.mean().item() > 0"), (_sum_of_tolist, "sum(x[0].tolist())")])
+def test_python_computing_with_a_value_read_from_a_tensor_is_named_with_its_line(fn, line):
+    # torch's own message was about a symbol "not tracked with proxy"
+    with pytest.raises(CaptureError) as info:
+        capture(fn, torch.randn(3, 4, requires_grad=True))
+    message = str(info.value)
+    assert "value read from a tensor" in message and line in message and 'fallback="eager"' in message
+
+
+class _ScaledByItsMax(nn.Module):
+    """A value read by ``.item()`` flows straight into a tensor op, whose backward reads it."""
+
+    def __init__(self):
+        super().__init__()
+        self.f = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.f(x)
+        return (y * y.max().item()).tanh().sum()
+
+
+def test_a_value_read_by_item_into_an_op_is_computed_per_call_in_training():
+    # The backward reads the Python number the forward read; it was handed to save_for_backward (TypeError).
+    torch.manual_seed(0)
+    model = _ScaledByItsMax()
+    opt = optimize(model)
+    for _ in range(2):  # a second input has another max: the plan reads it, it keeps no traced value
+        assert_equivalent(model, opt, torch.randn(5, 4, requires_grad=True))
+
+
 def test_a_shape_error_raises_memplans_error_without_torchs_traceback_in_the_log(fake_tensor_log):
     def mismatched(x, y):
         return x + y  # (3, 4) + (5, 4): no broadcast
