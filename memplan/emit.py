@@ -253,6 +253,11 @@ class PlanFunction(torch.autograd.Function):
         ctx.mark_non_differentiable(
             *[o for i, o in enumerate(outputs) if isinstance(o, torch.Tensor) and i not in differentiable]
         )
+        # Autograd would otherwise allocate a zero gradient for every output the loss does not reach,
+        # the non-differentiable ones included (an argmax returned beside the loss), which eager never
+        # makes; the backward reads a broadcast zero for those it takes a tangent for.
+        ctx.set_materialize_grads(False)
+        ctx.tangent_meta = [(outputs[i].shape, outputs[i].dtype, outputs[i].device) for i in emitted.differentiable]
         return tuple(outputs)
 
     @staticmethod
@@ -265,8 +270,10 @@ class PlanFunction(torch.autograd.Function):
         # Autograd would keep its copies until this whole backward returns; drop them now (unless the
         # graph is retained), so the boxed backward frees each saved tensor at its last use.
         ctx.maybe_clear_saved_tensors()
-        for i in emitted.differentiable:
-            args.append(_as_traced_layout(grad_outputs[i]))
+        for i, (shape, dtype, device) in zip(emitted.differentiable, ctx.tangent_meta):
+            grad = grad_outputs[i]
+            args.append(torch.zeros((), dtype=dtype, device=device).expand(shape) if grad is None
+                        else _as_traced_layout(grad))
         # Autograd runs a backward with grad mode on only for create_graph=True. The gradients are still
         # the plan's (computed without recording), and asking for their own gradients is refused: a
         # graph recorded through the plan's code would miss every term through the values it saved.

@@ -222,3 +222,44 @@ def test_a_context_that_reaches_another_operator_first_is_not_remembered(monkeyp
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert mm not in emit_module.python_bindings(nodes)
     assert mm in emit_module.python_bindings(nodes)
+
+
+# ----------------------------------------------------------------------------------------------
+# gradients of outputs the loss does not reach
+
+
+class _LossAndPredictions(nn.Module):
+    """A loss, the predictions (an argmax, not differentiable) and the logits (differentiable)."""
+
+    def __init__(self):
+        super().__init__()
+        self.f = nn.Linear(16, 64)
+
+    def forward(self, x):
+        logits = self.f(x)
+        return logits.logsumexp(-1).mean(), logits.argmax(-1), logits
+
+
+def test_outputs_the_loss_does_not_reach_get_no_allocated_gradient():
+    # Autograd gave every output of the plan's function a zero gradient, the argmax's too (a copy of the
+    # predictions eager never makes): the measured peak was above the planned one by that much.
+    torch.manual_seed(0)
+    model, x = _LossAndPredictions(), torch.randn(512, 16)
+    opt = memplan.optimize(model)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss, predictions, logits = opt(x)
+        loss.backward()
+
+    step()
+    measured = memplan.measure(step).peak
+    argmax_bytes = 512 * 8
+    assert measured < opt.plan.planned_peak + argmax_bytes // 2
+    expected = torch.autograd.grad(model(x)[0], model.f.weight)[0]
+    got = torch.autograd.grad(opt(x)[0], model.f.weight)[0]
+    torch.testing.assert_close(got, expected)
+    # a differentiable output the loss does not reach still differentiates when asked alone
+    expected = torch.autograd.grad(model(x)[2].square().sum(), model.f.weight)[0]
+    got = torch.autograd.grad(opt(x)[2].square().sum(), model.f.weight)[0]
+    torch.testing.assert_close(got, expected)
