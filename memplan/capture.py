@@ -240,6 +240,30 @@ def _user_line_from_traceback(frames: traceback.StackSummary) -> SourceLine | No
     return found
 
 
+# torch's modules that run the user's code and ops rather than make a layer's choices: never the line to name
+_MACHINERY = frozenset({"fx", "utils", "autograd", "overrides.py", os.path.join("nn", "modules", "module.py")})
+
+
+def _library_line_from_traceback(frames: traceback.StackSummary) -> SourceLine | None:
+    """The innermost frame, below the user's last one (if any), in a public torch module (``nn/modules/batchnorm.py``,
+    not ``_subclasses`` or ``fx``): where a layer the user called did what failed (BatchNorm with
+    ``momentum=None`` reading its step count into Python). Its path is relative to torch's directory."""
+    found = None
+    for frame in frames:
+        if is_user_frame(frame.filename):
+            found = None
+            continue
+        path = os.path.abspath(frame.filename)
+        if not path.startswith(_TORCH_DIR + os.sep):
+            continue
+        relative = os.path.relpath(path, _TORCH_DIR)
+        parts = relative.split(os.sep)
+        if parts[0] in _MACHINERY or relative in _MACHINERY or any(part.startswith("_") for part in parts):
+            continue
+        found = SourceLine(relative, frame.lineno or 0, frame.name, (frame.line or "").strip())
+    return found
+
+
 # ----------------------------------------------------------------------------------------------
 # inputs
 
@@ -789,6 +813,10 @@ def _capture_error(model: Any, exc: BaseException) -> CaptureError:
     where = _user_line_from_traceback(frames)
     name = type(model).__name__ if isinstance(model, nn.Module) else getattr(model, "__qualname__", repr(model))
     at = f" at {where.filename}:{where.lineno} in {where.function}: `{where.code}`" if where else ""
+    inner = _library_line_from_traceback(frames)
+    if inner is not None:
+        library = f"in torch's {inner.filename}:{inner.lineno}: `{inner.code}`"
+        at += f" ({library})" if where else f" {library}"
     data_dependent = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
     if isinstance(exc, RuntimeError) and "leaf Variable that requires grad is being used in an in-place" in str(exc):
         return CaptureError(

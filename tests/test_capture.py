@@ -2,6 +2,7 @@
 
 import functools
 import logging
+import os
 
 import pytest
 import torch
@@ -134,6 +135,16 @@ def test_python_computing_with_a_value_read_from_a_tensor_is_named_with_its_line
         capture(fn, torch.randn(3, 4, requires_grad=True))
     message = str(info.value)
     assert "value read from a tensor" in message and line in message and 'fallback="eager"' in message
+
+
+def test_a_value_read_inside_a_torch_layer_names_the_layers_line_too():
+    # BatchNorm with momentum=None divides by its step count, read into Python; the user's line alone
+    # (the call of the layer) did not say what in it depends on values.
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=None))
+    with pytest.raises(CaptureError) as info:
+        capture(model, torch.randn(8, 4))
+    message = str(info.value)
+    assert "nn/modules/batchnorm.py" in message.replace(os.sep, "/") and "float(self.num_batches_tracked)" in message
 
 
 class _ScaledByItsMax(nn.Module):
