@@ -188,6 +188,13 @@ def plan_concats(graph: CapturedGraph, am: AnalysisManager) -> tuple[ConcatInPla
         steps = [0] * (last - first + 2)
         steps[0] += nbytes
         steps[max(at, first) - first] -= nbytes
+        # A redirected part's later readers read the result: it lives until the last of them, past its
+        # own end when the parts outlive the concatenation (each step's state, saved for the backward,
+        # stacked into an output the loss reads at once).
+        own_end = min(liveness.intervals[tensors.storages_of(node.name)[0]].end, len(live) - 1)
+        if last > own_end:
+            steps[max(own_end + 1, first) - first] += nbytes
+            steps[last + 1 - first] -= nbytes
         for made, dies, size in freed:
             end = min(dies, len(live) - 1)
             if made + 1 <= end:
