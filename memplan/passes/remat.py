@@ -246,7 +246,7 @@ class NodeFacts:
     recomputable: bool
     why_not: str | None  # why it cannot be recomputed
     expensive: bool  # its op is in ``ban_ops``
-    signature: str  # op and input shapes, e.g. "mm(16x64,64x128)": repeated ops of a loop share it
+    signature: str  # op and input shapes, e.g. "mm(16x64,64x128)": repeated ops of a loop share it ("" unless expensive)
     flops: int
     save_bytes: int  # bytes kept alive by saving it (0: input, parameter, or kept by an output anyway)
     first_reader: int | None  # position of its first backward reader
@@ -320,13 +320,14 @@ class RematFacts:
             if why_not is None and isinstance(parent, torch.fx.Node) and parent.name in facts \
                     and not facts[parent.name].recomputable:
                 why_not = "part of a multi-output op that cannot be recomputed"
+            expensive = packet_name(node) in ban
             facts[node.name] = NodeFacts(
                 name=node.name,
                 position=position[node.name],
                 recomputable=why_not is None,
                 why_not=why_not,
-                expensive=packet_name(node) in ban,
-                signature=_signature(node),
+                expensive=expensive,
+                signature=_signature(node) if expensive else "",
                 flops=flops,
                 save_bytes=sum(tensors.storages[sid].nbytes for sid in counted),
                 storages=counted,
@@ -508,8 +509,25 @@ def node_flops(node: torch.fx.Node, tensors: Tensors | None = None) -> int:
     """
     if node.op != "call_function" or node.target is operator.getitem:
         return 0
+    view = tensors is not None and _is_view(node, tensors)
+    # Asked of every node by each planning pass, and most nodes keep their fake value from one graph to
+    # the next (copies share it): the count is kept with the value it was made from.
+    meta = node.meta
+    value = meta.get("val")
+    cached = meta.get(_FLOPS)
+    if cached is not None and cached[0] is value and cached[1] is view:
+        return cached[2]
+    flops = 0 if view else _node_flops(node)
+    meta[_FLOPS] = (value, view, flops)
+    return flops
+
+
+_FLOPS = "memplan_flops"  # node.meta key: (value, whether a view, FLOPs), see node_flops
+
+
+def _node_flops(node: torch.fx.Node) -> int:
     name = packet_name(node)
-    if name in _MOVE_OPS or (tensors is not None and _is_view(node, tensors)):
+    if name in _MOVE_OPS:
         return 0
     args = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
     out = node.meta.get("val")
