@@ -1472,7 +1472,21 @@ def _regions(graph: CapturedGraph, options: ChunkOptions, tensors: Tensors) -> l
         found.setdefault(key, region)
     ranked = sorted(found.values(), key=lambda r: (-_potential(graph, r, tensors), r.label))
     size = sum(1 for _ in graph.gm.graph.nodes)
-    return ranked[: max(options.evaluate, min(3 * options.evaluate, options.evaluate_nodes // max(size, 1)))]
+    return _distinct(ranked)[: max(options.evaluate, min(3 * options.evaluate, options.evaluate_nodes // max(size, 1)))]
+
+
+def _distinct(ranked: Sequence[ChunkRegion], alike: float = 0.95) -> list[ChunkRegion]:
+    """``ranked`` without the regions nearly equal to one ranked before them: the same units and at least
+    ``alike`` of the larger one's forward and backward nodes shared. Seeds one step apart in an unrolled
+    loop (each step's state) give regions that differ by a step's few nodes; each would be built and
+    priced in full to the same verdict, and taking the place of a region that differs."""
+    kept: list[tuple[ChunkRegion, frozenset[str]]] = []
+    for region in ranked:
+        nodes = frozenset(n for n, _ in region.forward) | frozenset(n for n, _ in region.backward)
+        if not any(other.units == region.units and len(nodes & members) >= alike * max(len(nodes), len(members))
+                   for other, members in kept):
+            kept.append((region, nodes))
+    return [region for region, _ in kept]
 
 
 def _variants(graph: CapturedGraph, region: ChunkRegion, options: ChunkOptions) -> list[tuple[ChunkRegion, list[int]]]:
