@@ -319,6 +319,7 @@ def _flood_forward(
     pulled: set[torch.fx.Node] = set()  # shape-only values the region writes in place: made per chunk
     states: dict[torch.fx.Node, State] = {}
     tainted: set[torch.fx.Node] = set()
+    whole: set[torch.fx.Node] = set()  # views of sliced sources read whole, from outside the loops
 
     def st(x: Any) -> State:
         if x in slices:
@@ -381,7 +382,7 @@ def _flood_forward(
                 states[node] = REP
                 visit_readers(node, at)
                 continue
-            if node in tainted:
+            if node in tainted or node in whole:
                 continue
             inputs = node.all_input_nodes
             if not any(a in states or a in slices for a in inputs):
@@ -418,6 +419,14 @@ def _flood_forward(
             if changed:
                 break
             if isinstance(result, (Need, Barrier)):
+                # An op that reads the index twice (``z @ z.t()`` sliced by the rows of ``z``) may read one
+                # of them whole: a view of a sliced source can be taken of the whole source, outside the
+                # loops (a view costs nothing). Read those whole and walk again from them.
+                views = _whole_views(node, inputs, states, slices, whole, st, rule)
+                if views:
+                    whole.update(views)
+                    changed = views
+                    break
                 taint(node)
                 continue
             states[node] = result
@@ -426,6 +435,29 @@ def _flood_forward(
             return _Flood(states, slices, relabel, tainted)
         start = first_affected(changed)
     return _Flood({}, slices, relabel, set())
+
+
+def _whole_views(node: torch.fx.Node, inputs: Sequence[torch.fx.Node], states: Mapping[torch.fx.Node, State],
+                 slices: Mapping[torch.fx.Node, Split], whole: set[torch.fx.Node], st: Callable[[Any], State],
+                 rule: Callable) -> list[torch.fx.Node]:
+    """Inputs of ``node`` (whose rule refused its inputs' states) to read whole instead, so that the rule
+    accepts: views of sliced sources (taken of the whole source outside the loops, at no cost), never
+    all the inputs that carry the index. Empty when no such choice satisfies the rule.
+
+    ``z @ z.t()`` sliced by the rows of ``z`` reads ``z.t()`` whole; ``z[:, None] * z[None]`` reads the
+    second view whole (each view carrying the index is tried as the one kept sliced, in order)."""
+    carrying = [a for a in inputs if a in states or a in slices]
+    views = [a for a in carrying if a not in slices and is_pure_view(a) and a.all_input_nodes
+             and all(b in slices or b in whole for b in a.all_input_nodes)]
+    if not views:
+        return []
+    choices = [views] if len(views) < len(carrying) else [[v for v in views if v is not kept] for kept in views]
+    for chosen in choices:
+        trial = set(chosen)
+        answer = rule(node, lambda x: REP if x in trial else st(x))
+        if not isinstance(answer, (Need, Barrier)):
+            return chosen
+    return []
 
 
 def _flood_backward(

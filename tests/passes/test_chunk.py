@@ -148,6 +148,33 @@ class DropoutPairwise(nn.Module):
         return F.dropout(x[:, None, :] * y[None, :, :], 0.3).sum(-1).amax(-1)
 
 
+class SelfSimilarityLoss(nn.Module):
+    """A contrastive loss over the cosine similarities of a batch with itself (``z @ z.t()``): the rows
+    of ``z`` index the rows of the similarities, and the product reads ``z`` whole as its other side."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        z = F.normalize(self.proj(x), dim=-1)
+        sim = (z @ z.t() / 0.5).masked_fill(torch.eye(x.shape[0], dtype=torch.bool), float("-inf"))
+        return F.cross_entropy(sim, torch.arange(x.shape[0]).roll(1))
+
+
+class SelfPairwiseNorm(nn.Module):
+    """Distances from each point of a batch to its nearest other point: ``z[:, None] - z[None]`` reads two
+    views of ``z``, one sliced by the rows and one whole, then a norm over the features."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        z = self.proj(x)
+        return ((z[:, None] - z[None]).norm(dim=-1) + 10 * torch.eye(x.shape[0])).amin(-1).sum()
+
+
 class UnrolledCell(nn.Module):
     """A recurrent cell unrolled over time steps: its batch is an index through every step."""
 
@@ -172,6 +199,8 @@ def _hand_models():
         ("lse_over_batch", LogSumExpOverBatch(), (torch.randn(40, 24, requires_grad=True), torch.randn(50, 24, requires_grad=True))),
         ("mean_over_batch", MeanOverBatch(), (torch.randn(64, 32, requires_grad=True),)),
         ("generator", Generator(), (torch.randn(12, 8, 32, requires_grad=True), torch.randint(0, 500, (12, 8)))),
+        ("self_similarity", SelfSimilarityLoss(), (torch.randn(256, 16, requires_grad=True),)),
+        ("self_pairwise_norm", SelfPairwiseNorm(), (torch.randn(256, 16, requires_grad=True),)),
     ]
 
 
@@ -190,6 +219,18 @@ def test_hand_models_are_chunked_and_equivalent(name, model, inputs):
     assert record.changed, f"{name}: nothing was chunked"
     # (c) the simulated peak is strictly lower
     assert record.peak_after < record.peak_before
+
+
+@pytest.mark.parametrize("name", ["self_similarity", "self_pairwise_norm"])
+def test_a_batch_compared_with_itself_is_chunked_by_its_rows(name):
+    # The product (or difference) reads two views of one value: sliced by the rows on one side, it can
+    # read the other whole. The rule refused the two sides carrying the index, so the region stopped
+    # before the product and the N x N intermediates stayed whole.
+    _, model, inputs = next(h for h in HAND if h[0] == name)
+    opt = memplan.optimize(model, passes="chunk", **FORCE)
+    assert_equivalent(model, opt, *inputs, **TOL)
+    record = opt.plan.records[0]
+    assert record.peak_after < record.peak_before / 4
 
 
 @pytest.mark.parametrize("name,model,inputs", HAND, ids=[h[0] for h in HAND])
@@ -291,6 +332,20 @@ def test_golden_states_of_rules():
     assert chunk_rule(mm, {a: Split(1), w: Split(0)}.get) == Partial("sum")
     assert chunk_rule(exp, {mm: REP}.get) == REP
     assert map_view((16, 64, 32), (1024, 32), Split(0)) == Split(0, 64)
+
+
+def test_golden_states_of_vector_norms():
+    # over other dimensions the index moves as in a sum; a norm over the chunked one has no partial form
+    gm = torch.fx.experimental.proxy_tensor.make_fx(
+        lambda a: torch.linalg.vector_norm(a, 2, dim=-1) + torch.linalg.vector_norm(a, 2, dim=0, keepdim=True).sum(),
+        tracing_mode="fake",
+    )(torch.randn(8, 4, 6))
+    a, norm, keepdim_norm = [n for n in gm.graph.nodes][:3]
+    assert chunk_rule(norm, {a: Split(1)}.get) == Split(1)
+    assert chunk_rule(keepdim_norm, {a: Split(1)}.get) == Split(1)
+    assert chunk_rule(keepdim_norm, {a: Split(2)}.get) == Split(2)
+    assert isinstance(chunk_rule(norm, {a: Split(2)}.get), Barrier)
+    assert chunk_rule(norm, {}.get) == REP
 
 
 def test_golden_states_of_fused_attention():

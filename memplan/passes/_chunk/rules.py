@@ -266,6 +266,24 @@ def _reduction(node: torch.fx.Node, st, name: str) -> RuleResult:
     return (out, out) if with_indices else out
 
 
+def _vector_norm(node: torch.fx.Node, st) -> RuleResult:
+    """``linalg_vector_norm(x, ord, dim, keepdim)``: over other dimensions the index moves as in a sum; a
+    norm over the chunked dimension has no partial form here (it is not a sum of the chunks' norms)."""
+    x = node.args[0]
+    s = st(x)
+    if isinstance(s, Partial):
+        return Barrier("norm of a partial result")
+    if not isinstance(s, Split):
+        return REP
+    rank = len(shape_of(x))
+    dim = arg_of(node, 2, "dim")
+    dims = list(range(rank)) if dim is None else [norm_dim(d, rank) for d in (dim if isinstance(dim, (list, tuple)) else [dim])]
+    if s.dim in dims:
+        return Barrier("norm over the chunked dimension")
+    keepdim = bool(arg_of(node, 3, "keepdim", False))
+    return Split(s.dim if keepdim else s.dim - sum(1 for d in dims if d < s.dim), s.inner)
+
+
 def _matmul(node: torch.fx.Node, st, a: Any, b: Any, batched: bool) -> RuleResult:
     """``mm`` (rows of a, columns of b, contraction) and ``bmm`` (plus a shared batch dimension)."""
     sa, sb = st(a), st(b)
@@ -416,6 +434,8 @@ def chunk_rule(node: torch.fx.Node, st: Callable[[Any], State], is_zero: Callabl
         return Split(inner.dim + (1 if dim <= inner.dim else 0), inner.inner)
     if name in _REDUCTION_KINDS or name in ("max", "min", "argmax", "argmin"):
         return _reduction(node, state, name)
+    if name == "linalg_vector_norm":
+        return _vector_norm(node, state)
     if name == "mm":
         return _matmul(node, state, node.args[0], node.args[1], batched=False)
     if name == "bmm":
