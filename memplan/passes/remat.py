@@ -420,8 +420,11 @@ def _inplace_units(graph: CapturedGraph, tensors: Tensors, position: Mapping[str
             continue
         if any(set(tensors.storages_of(t.name)) != {sid} for m in members for t in mutated_args(by_name[m])):
             continue
+        writes = [position[m] for m in members if mutated_args(by_name[m])]
+        if not writes:
+            continue  # written by an op that returns another tensor (rrelu's noise): not replayable as a unit
         inside = set(members)
-        last = max(position[m] for m in members if mutated_args(by_name[m]))
+        last = max(writes)
         ok = True
         for member in members:
             for user in by_name[member].users:
