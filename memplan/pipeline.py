@@ -439,7 +439,10 @@ class PassManager:
         The first rung is the plan with no extra compute (``max_overhead=0``). Each later rung is the
         plan for a budget of :data:`LADDER_STEP` times the lowest peak so far: its passes first choose
         with ``when_over="overhead"`` (a later pass may reach the budget), then, if the pipeline misses
-        it, with ``when_over="lowest"``. The ladder ends at a rung that misses its budget (kept when it
+        it, with ``when_over="lowest"``, and if that misses it too, with ``timesteps`` run before
+        ``remat`` (the lower of the two is the rung): remat's lowest plan on its own may recompute an
+        unrolled loop's states all at once, which leaves timesteps no saved step to checkpoint
+        (``nn.LSTMCell`` unrolled). The ladder ends at a rung that misses its budget (kept when it
         is still lower than every rung before it). Nothing here reads the policy's budget, so for any
         budget the first rung that fits is the same walk cut short. The price: a budget just below a
         rung gets the next one, whose peak (and compute) may be lower than the budget needs. Rungs are
@@ -450,13 +453,21 @@ class PassManager:
         result = self._run(copy_graph(graph), dataclasses.replace(self.policy, budget=None, max_overhead=0.0), known)
         lowest = _step_peak(result)
         yield result, lowest
+        loops_first = self._loops_first()
         while True:
             target = int(lowest * LADDER_STEP)
             result = self._run(copy_graph(graph), dataclasses.replace(self.policy, budget=target, when_over="overhead"), known)
             peak = _step_peak(result)
             if peak > target:
-                result = self._run(copy_graph(graph), dataclasses.replace(self.policy, budget=target, when_over="lowest"), known)
+                lowest_policy = dataclasses.replace(self.policy, budget=target, when_over="lowest")
+                result = self._run(copy_graph(graph), lowest_policy, known)
                 peak = _step_peak(result)
+                if peak > target and loops_first is not None:
+                    # Recomputing an unrolled loop's states all at once (remat's lowest plan on its own)
+                    # leaves timesteps no saved step to checkpoint; the loops checkpointed first may go lower.
+                    other = self._run(copy_graph(graph), lowest_policy, known, passes=loops_first)
+                    if _step_peak(other) < peak:
+                        result, peak = other, _step_peak(other)
             if peak >= lowest:
                 break
             lowest = peak
@@ -471,12 +482,24 @@ class PassManager:
         if peak < lowest:
             yield result, peak
 
-    def _run(self, graph: CapturedGraph, policy: Policy, known: Mapping[type, Any] | None = None) -> PipelineResult:
+    def _loops_first(self) -> tuple[str, ...] | None:
+        """The pipeline with ``timesteps`` moved just before ``remat`` (None when it does not run after it)."""
+        if "remat" not in self.passes or "timesteps" not in self.passes:
+            return None
+        if self.passes.index("timesteps") < self.passes.index("remat"):
+            return None
+        order = [name for name in self.passes if name != "timesteps"]
+        order.insert(order.index("remat"), "timesteps")
+        return tuple(order)
+
+    def _run(self, graph: CapturedGraph, policy: Policy, known: Mapping[type, Any] | None = None,
+             passes: Sequence[str] | None = None) -> PipelineResult:
+        passes = self.passes if passes is None else tuple(passes)
         graph = dataclasses.replace(graph, lifetimes="graph")
         am = AnalysisManager(graph, known)
         baseline_hazards = mutation_hazards(graph, am)
         records = []
-        for i, name in enumerate(self.passes):
+        for i, name in enumerate(passes):
             if self.before_pass is not None:
                 self.before_pass(name, graph)
             peak_before = am.get(PeakSimulation).peak
@@ -485,7 +508,7 @@ class PassManager:
             try:
                 result = _REGISTRY[name](graph, ctx)
             except Exception as exc:
-                raise self._failure(name, i, graph, f"raised {type(exc).__name__}: {exc}") from exc
+                raise self._failure(name, i, graph, f"raised {type(exc).__name__}: {exc}", passes) from exc
             seconds = time.perf_counter() - start
             if result.changed:
                 am.update(result.graph, result.preserved, computed=result.analyses)
@@ -500,11 +523,11 @@ class PassManager:
                             f"({len(new)} such hazard(s))"
                         )
                 except AssertionError as exc:
-                    raise self._failure(name, i, graph, f"broke an invariant: {exc}") from exc
+                    raise self._failure(name, i, graph, f"broke an invariant: {exc}", passes) from exc
                 graph = result.graph
                 baseline_hazards = hazards
             elif result.graph is not graph:
-                raise self._failure(name, i, graph, "returned a new graph but reported changed=False")
+                raise self._failure(name, i, graph, "returned a new graph but reported changed=False", passes)
             peak_after = am.get(PeakSimulation).peak
             records.append(
                 PassRecord(name, result.changed, result.stats, result.notes, seconds, peak_before, peak_after, result.plan)
@@ -513,11 +536,13 @@ class PassManager:
                 self.after_pass(name, graph)
         return PipelineResult(graph, tuple(records), am)
 
-    def _failure(self, name: str, index: int, graph: CapturedGraph, what: str) -> PassError:
-        before = ",".join(self.passes[:index]) or "(none)"
+    def _failure(self, name: str, index: int, graph: CapturedGraph, what: str,
+                 passes: Sequence[str] | None = None) -> PassError:
+        passes = self.passes if passes is None else passes
+        before = ",".join(passes[:index]) or "(none)"
         message = f"pass {name!r} {what}. Passes run before it: {before}."
         if self.reproducer_dir is not None:
-            path = save_reproducer(graph, ",".join(self.passes[index:]), self.reproducer_dir / f"memplan-repro-{name}")
+            path = save_reproducer(graph, ",".join(passes[index:]), self.reproducer_dir / f"memplan-repro-{name}")
             message += f" Reproducer saved to {path}; replay it with memplan.pipeline.replay({str(path)!r})."
         else:
             message += " Pass reproducer_dir= to save a reproducer."
