@@ -63,6 +63,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import disable_autocast_cache
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.utils.stateless import _reparametrize_module
 
 from memplan._capture.tracer import NotDenseError, Tracer, new_fake_mode, quiet_meta_failures
@@ -432,8 +433,12 @@ def capture(
         _tag_backward_with_seq_nr([t.grad_fn for t in roots if t.grad_fn is not None])
 
     def traced_body(flat: Sequence[torch.Tensor]) -> list[Any]:
+        before = _module_state(model)
         with substituted(flat):
-            return traced_steps(flat)
+            results = traced_steps(flat)
+            _check_module_state(model, before, dict(zip(buffer_names, flat[n_params : n_params + n_buffers])),
+                                tracer.fake_mode)
+            return results
 
     def traced_steps(flat: Sequence[torch.Tensor]) -> list[Any]:
         out = call_model(flat)
@@ -763,6 +768,75 @@ def _restoring_rnn_weights(model: nn.Module, substitution: contextlib.AbstractCo
             names = getattr(module, "_flat_weights_names", None)
             if isinstance(module, nn.RNNBase) and names is not None:
                 module._flat_weights = [getattr(module, name, None) for name in names]
+
+
+# What nn.Module keeps in its own attributes (and what an RNN lists of its weights): never the user's state.
+_MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"_flat_weights"}
+
+
+def _module_state(model: Any) -> list[tuple[nn.Module, str, Any, Any]]:
+    """``(module, attribute, value, copy of a list or dict value)`` for every plain attribute of every
+    module of ``model``: what :func:`_check_module_state` restores when the traced forward changed it."""
+    if not isinstance(model, nn.Module):
+        return []
+    state = []
+    for module in model.modules():
+        for name, value in vars(module).items():
+            if name not in _MODULE_INTERNALS:
+                copy = list(value) if isinstance(value, list) else dict(value) if isinstance(value, dict) else None
+                state.append((module, name, value, copy))
+    return state
+
+
+def _holds_fake(value: Any, mode: Any) -> bool:
+    if isinstance(value, (list, tuple, dict)):
+        return any(_holds_fake(v, mode) for v in (value.values() if isinstance(value, dict) else value))
+    return isinstance(value, FakeTensor) and value.fake_mode is mode
+
+
+def _check_module_state(model: Any, before: list[tuple[nn.Module, str, Any, Any]],
+                        buffers: Mapping[str, torch.Tensor], mode: Any) -> None:
+    """Refuse a forward that keeps state on the module by Python assignment: a buffer given a new tensor
+    (``self.count = self.count + 1``), or a tensor of the forward stored in an attribute (``self.last =
+    h``, ``self.history.append(y)``). A plan runs the graph, not the module's Python, so such state would
+    never change again (and would hold the trace's fake tensors); with no error, outputs that read it
+    would silently differ from eager's. The attributes the trace changed are put back first."""
+    if not isinstance(model, nn.Module):
+        return
+    name = type(model).__name__
+    for path, installed in buffers.items():
+        prefix, _, attribute = path.rpartition(".")
+        owner = model.get_submodule(prefix) if prefix else model
+        if owner._buffers.get(attribute) is not installed:
+            raise CaptureError(
+                f"{name} assigns a new tensor to its buffer '{path}' in forward (e.g. `self.{attribute} = "
+                f"self.{attribute} + 1`). A plan runs the traced graph, not the module's Python, so the buffer "
+                f"would keep its old value and outputs reading it would differ from eager's. Fix: update it in "
+                f"place (self.{attribute}.add_(1), or self.{attribute}.copy_(new_value)), which memplan plans; "
+                'or pass fallback="eager" to memplan.optimize to run this model eagerly.'
+            )
+    known = {(id(module), attribute): (value, copy) for module, attribute, value, copy in before}
+    kept = []
+    for path, module in model.named_modules():
+        for attribute, value in list(vars(module).items()):
+            if attribute not in _MODULE_INTERNALS and _holds_fake(value, mode):
+                kept.append(f"{path}.{attribute}" if path else attribute)
+                old = known.get((id(module), attribute))
+                if old is None:
+                    delattr(module, attribute)
+                elif old[1] is not None and old[0] is value:
+                    value.clear()
+                    value.update(old[1]) if isinstance(value, dict) else value.extend(old[1])
+                else:
+                    setattr(module, attribute, old[0])
+    if kept:
+        raise CaptureError(
+            f"{name} keeps a tensor its forward computed on the module (attribute '{kept[0]}'). A plan runs "
+            "the traced graph, not the module's Python, so that attribute would never be set again. Fix: "
+            "return the tensor as an output, or keep it in a buffer updated in place "
+            f"(self.register_buffer(...), then .copy_(value.detach())), which memplan plans; "
+            'or pass fallback="eager" to memplan.optimize to run this model eagerly.'
+        )
 
 
 def _check_constants(model: Any, tracer: Any) -> None:

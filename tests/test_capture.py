@@ -1,12 +1,16 @@
 """Capture: phases, sources, inputs, outputs and errors."""
 
+import copy
 import functools
 import logging
 import os
+import warnings
 
 import pytest
 import torch
 import torch.fx.traceback as fx_traceback
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -458,3 +462,61 @@ def test_a_capture_does_not_depend_on_what_was_captured_before():
         return capture(model, torch.randn(4, 12, 16), seed="tangents").gm.code
 
     assert graph_code() == graph_code()
+
+
+class _CountsByReassigning(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.f = nn.Linear(4, 4)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        self.count = self.count + 1
+        return self.f(x).sum() * self.count
+
+
+class _StoresHidden(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.f = nn.Linear(4, 4)
+        self.last = None
+
+    def forward(self, x):
+        h = self.f(x).tanh()
+        self.last = h.detach()
+        return h.sum()
+
+
+class _AppendsHistory(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.f = nn.Linear(4, 4)
+        self.history = []
+
+    def forward(self, x):
+        y = self.f(x).sum()
+        self.history.append(y.detach())
+        return y
+
+
+@pytest.mark.parametrize("cls, state, message", [
+    (_CountsByReassigning, lambda m: m.count, "assigns a new tensor to its buffer 'count'"),
+    (_StoresHidden, lambda m: m.last, "attribute 'last'"),
+    (_AppendsHistory, lambda m: m.history, "attribute 'history'"),
+])
+def test_state_kept_on_the_module_by_python_assignment_is_refused_and_left_as_it_was(cls, state, message):
+    # A plan runs the graph, not the module's Python: the buffer kept its old value (outputs differed from
+    # eager's, silently), and attributes held the trace's fake tensors. With fallback="eager" the model
+    # runs as written, from the state it had.
+    torch.manual_seed(0)
+    model, x = cls(), torch.randn(3, 4)
+    reference = copy.deepcopy(model)
+    with pytest.raises(CaptureError, match=message):
+        optimize(model)(x)
+    assert not any(isinstance(t, FakeTensor) for t in pytree.tree_leaves(state(model)))
+    opt = optimize(model, fallback="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            torch.testing.assert_close(opt(x), reference(x))
+    torch.testing.assert_close(state(model), state(reference))
