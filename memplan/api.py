@@ -148,12 +148,29 @@ def _signature(model: Any, leaves: Sequence[Any], spec: pytree.TreeSpec) -> tupl
         for t in leaves
     )
     params: tuple = ()
-    training = False
+    state: tuple = ()
     if isinstance(model, nn.Module):
         params = tuple((tuple(p.shape), p.dtype, p.device, p.requires_grad) for p in model.parameters())
         params += tuple((tuple(b.shape), b.dtype, b.device) for b in model.buffers())
-        training = model.training
-    return (spec, tensors, params, training, torch.is_grad_enabled())
+        state = tuple(_module_state_key(m) for m in model.modules())
+    autocast = tuple((kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda") if torch.is_autocast_enabled(kind))
+    return (spec, tensors, params, state, torch.is_grad_enabled(), autocast)
+
+
+# A module's attributes that hold its hooks: a hook registered after planning must be planned with.
+_HOOK_ATTRIBUTES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _module_state_key(module: nn.Module) -> tuple:
+    """What of a module the traced code may have read besides tensors, so that a plan is made again
+    when it changes: its mode, its plain attribute values (``self.scale = 2.0``, ``self.residual =
+    False``, set after planning) and its hooks. A plan runs the graph, not the module's Python, so it
+    would otherwise keep the values it was traced with."""
+    values = vars(module)
+    plain = tuple((name, _static_key(value)) for name, value in values.items()
+                  if name != "training" and is_static_leaf(value))
+    hooks = tuple(tuple(values[name]) for name in _HOOK_ATTRIBUTES if values.get(name))
+    return (module.training, plain, hooks)
 
 
 class OptimizedModule(nn.Module):

@@ -497,3 +497,62 @@ def test_a_compiled_module_is_refused_with_the_fix():
     opt = optimize(compiled._orig_mod)
     x = torch.randn(3, 4)
     torch.testing.assert_close(opt(x), compiled._orig_mod(x))
+
+
+# ----------------------------------------------------------------------------------------------
+# what the traced code read besides tensors, changed after planning
+
+
+class _Configurable(nn.Module):
+    """Reads a plain attribute and a flag that a user may change between calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.scale = 1.0
+        self.residual = True
+
+    def forward(self, x):
+        y = self.a(x) * self.scale
+        return y + x if self.residual else y
+
+
+def test_plain_attributes_changed_after_planning_are_planned_again():
+    # A plan runs the graph, not the module's Python: it kept scale 1.0 and the residual, silently.
+    torch.manual_seed(0)
+    model, x = _Configurable(), torch.randn(3, 4, requires_grad=True)
+    reference = copy.deepcopy(model)
+    opt = optimize(model)
+    assert_equivalent(reference, opt, x)
+    for change in (lambda m: setattr(m, "scale", 3.0), lambda m: setattr(m, "residual", False),
+                   lambda m: m.a.eval()):
+        change(model)
+        change(reference)
+        assert_equivalent(reference, opt, x)
+
+
+def test_hooks_registered_after_planning_run():
+    torch.manual_seed(0)
+    model, x = _Configurable(), torch.randn(3, 4)
+    reference = copy.deepcopy(model)
+    opt = optimize(model)
+    with torch.no_grad():
+        opt(x)
+        calls = []
+        for m in (model, reference):
+            m.register_forward_hook(lambda module, args, out: calls.append(out.shape))
+            m.a.register_forward_hook(lambda module, args, out: out * 0.5)
+        torch.testing.assert_close(opt(x), reference(x))
+    assert len(calls) == 2  # once for the plan's capture, once for the reference
+
+
+def test_autocast_turned_on_after_planning_gives_autocasts_outputs():
+    torch.manual_seed(0)
+    model, x = _Configurable(), torch.randn(3, 4)
+    model.residual = False  # the output is then the linear layer's, in autocast's dtype
+    opt = optimize(model)
+    opt(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, expected = opt(x), model(x)
+    assert got.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(got, expected)
