@@ -804,6 +804,25 @@ def _check_module_state(model: Any, before: list[tuple[nn.Module, str, Any, Any]
     if not isinstance(model, nn.Module):
         return
     name = type(model).__name__
+    # Step 1: put back what the trace changed (a reassigned buffer is put back by the substitution).
+    known = {(id(module), attribute): (value, copy) for module, attribute, value, copy in before}
+    kept = []
+    for path, module in model.named_modules():
+        for attribute, value in list(vars(module).items()):
+            if attribute not in _MODULE_INTERNALS and _holds_fake(value, mode):
+                kept.append(f"{path}.{attribute}" if path else attribute)
+                old = known.get((id(module), attribute))
+                if old is None:
+                    delattr(module, attribute)
+                elif old[1] is not None and old[0] is value:  # the same list or dict, changed in place
+                    value.clear()
+                    if isinstance(value, dict):
+                        value.update(old[1])
+                    else:
+                        value.extend(old[1])
+                else:
+                    setattr(module, attribute, old[0])
+    # Step 2: refuse.
     for path, installed in buffers.items():
         prefix, _, attribute = path.rpartition(".")
         owner = model.get_submodule(prefix) if prefix else model
@@ -815,20 +834,6 @@ def _check_module_state(model: Any, before: list[tuple[nn.Module, str, Any, Any]
                 f"place (self.{attribute}.add_(1), or self.{attribute}.copy_(new_value)), which memplan plans; "
                 'or pass fallback="eager" to memplan.optimize to run this model eagerly.'
             )
-    known = {(id(module), attribute): (value, copy) for module, attribute, value, copy in before}
-    kept = []
-    for path, module in model.named_modules():
-        for attribute, value in list(vars(module).items()):
-            if attribute not in _MODULE_INTERNALS and _holds_fake(value, mode):
-                kept.append(f"{path}.{attribute}" if path else attribute)
-                old = known.get((id(module), attribute))
-                if old is None:
-                    delattr(module, attribute)
-                elif old[1] is not None and old[0] is value:
-                    value.clear()
-                    value.update(old[1]) if isinstance(value, dict) else value.extend(old[1])
-                else:
-                    setattr(module, attribute, old[0])
     if kept:
         raise CaptureError(
             f"{name} keeps a tensor its forward computed on the module (attribute '{kept[0]}'). A plan runs "
