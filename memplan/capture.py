@@ -66,7 +66,7 @@ from torch.fx.experimental.proxy_tensor import disable_autocast_cache
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.utils.stateless import _reparametrize_module
 
-from memplan._capture.tracer import NotDenseError, Tracer, new_fake_mode, quiet_meta_failures
+from memplan._capture.tracer import GeneratorArgumentError, NotDenseError, Tracer, new_fake_mode, quiet_meta_failures
 from memplan.errors import CaptureError, UnsupportedInputError
 from memplan.opschema import is_view_op, mutated_args
 
@@ -287,6 +287,12 @@ def _check_leaves(leaves: Sequence[Any], paths: Sequence[str]) -> None:
     for leaf, path in zip(leaves, paths):
         if is_static_leaf(leaf):
             continue
+        if isinstance(leaf, torch.Generator):
+            raise UnsupportedInputError(
+                f"{path} is a torch.Generator; a plan reproduces random ops from the global RNG stream only "
+                "(as eager draws them under torch.manual_seed). Fix: draw from the global RNG, pass the random "
+                'tensor in as an input, or pass fallback="eager" to memplan.optimize to run this model eagerly.'
+            )
         if not isinstance(leaf, torch.Tensor):
             raise UnsupportedInputError(
                 f"memplan plans over tensors and plain values (None, bool, int, float, str, dtype, device, "
@@ -933,6 +939,13 @@ def _capture_error(model: Any, exc: BaseException) -> CaptureError:
             "by .item() only straight into tensor ops. Fix: keep the computation in tensor ops (y.sum() "
             "rather than sum(y.tolist()), torch.where for a branch), move it outside the model, or pass "
             'fallback="eager" to memplan.optimize to run this model eagerly.'
+        )
+    if isinstance(exc, GeneratorArgumentError):
+        return CaptureError(
+            f"memplan cannot capture {name}: an op draws random numbers from a torch.Generator of its own{at}. "
+            "A plan reproduces random ops from the global RNG stream only (as eager draws them under "
+            "torch.manual_seed). Fix: draw from the global RNG, pass the random tensor in as an input, or "
+            'pass fallback="eager" to memplan.optimize to run this model eagerly.'
         )
     if isinstance(exc, NotDenseError):
         return CaptureError(

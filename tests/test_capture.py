@@ -520,3 +520,27 @@ def test_state_kept_on_the_module_by_python_assignment_is_refused_and_left_as_it
         for _ in range(2):
             torch.testing.assert_close(opt(x), reference(x))
     torch.testing.assert_close(state(model), state(reference))
+
+
+class _OwnGenerator(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.g = torch.Generator().manual_seed(3)
+
+    def forward(self, x):
+        return (self.a(x) + torch.randn(x.shape, generator=self.g)).sum()
+
+
+def test_an_op_drawing_from_a_generator_of_its_own_is_refused_with_its_line():
+    # The generator reached the emitted code as its repr: the plan's forward failed to compile (SyntaxError).
+    model, x = _OwnGenerator(), torch.randn(2, 4)
+    with pytest.raises(CaptureError, match=r"torch.Generator of its own at .*test_capture.py.*generator=self.g"):
+        optimize(model)(x)
+    with pytest.raises(UnsupportedInputError, match="torch.Generator"):
+        optimize(lambda t, g: t + torch.randn(t.shape, generator=g))(x, torch.Generator())
+    reference = copy.deepcopy(model)
+    opt = optimize(model, fallback="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.testing.assert_close(opt(x), reference(x))

@@ -79,6 +79,11 @@ __all__ = ["NotDenseError", "Tracer", "new_fake_mode", "quiet_meta_failures"]
 class NotDenseError(RuntimeError):
     """An op of the traced code made a sparse (or otherwise not strided) tensor: memplan plans dense ones."""
 
+
+class GeneratorArgumentError(RuntimeError):
+    """An op of the traced code draws from a ``torch.Generator`` of its own: a plan has no such value to
+    pass (its code names arguments, and a generator's state moves at every call)."""
+
 aten = torch.ops.aten
 _DEVICE_QUERY = torch.ops.prim.device.default
 # make_fx computes a constant's result for real only when it has at most this many elements.
@@ -716,6 +721,8 @@ class Tracer(TorchDispatchMode):
             return {k: self._node_arg(v) for k, v in value.items()}
         if isinstance(value, _SYMBOLS):
             return self._symbols.get(value.node, value)
+        if isinstance(value, torch.Generator):
+            raise GeneratorArgumentError("an op draws from a torch.Generator of its own")
         return value
 
     def _constant_arg(self, value: Any) -> Any:
