@@ -169,8 +169,26 @@ def _module_state_key(module: nn.Module) -> tuple:
     values = vars(module)
     plain = tuple((name, _static_key(value)) for name, value in values.items()
                   if name != "training" and is_static_leaf(value))
+    # a plain tensor attribute (not a parameter or buffer) is a constant of the plan: another tensor
+    # assigned to it is planned again (one changed in place is read as it is)
+    tensors = tuple((name, _Identity(value)) for name, value in values.items() if isinstance(value, torch.Tensor))
     hooks = tuple(tuple(values[name]) for name in _HOOK_ATTRIBUTES if values.get(name))
-    return (module.training, plain, hooks)
+    return (module.training, plain, tensors, hooks)
+
+
+class _Identity:
+    """An object compared by identity in a plan key; holding it keeps its id from being reused."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Identity) and other.value is self.value
+
+    def __hash__(self) -> int:
+        return id(self.value)
 
 
 class OptimizedModule(nn.Module):

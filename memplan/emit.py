@@ -194,6 +194,11 @@ def emit(graph: CapturedGraph) -> Emitted:
         bwd.items += [(node, True) for node in saved]
         bwd.items += [(node, False) for node in placeholders if node.name in tangent_names]
         for node in nodes:
+            # a constant the backward reads (a plain tensor attribute of the module, by which an op's
+            # gradient multiplies) is read there from the module, as the forward reads it: never saved
+            if node.op == "get_attr" and any(u.op != "output" and u not in forward for u in node.users):
+                bwd.add(node)
+        for node in nodes:
             if node.op not in ("placeholder", "output") and node not in forward:
                 bwd.add(node)
         bwd.outputs = flat_output_args[len(model_outputs) :]

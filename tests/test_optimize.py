@@ -556,3 +556,32 @@ def test_autocast_turned_on_after_planning_gives_autocasts_outputs():
         got, expected = opt(x), model(x)
     assert got.dtype == expected.dtype == torch.bfloat16
     torch.testing.assert_close(got, expected)
+
+
+class _PlainTensorAttribute(nn.Module):
+    """A mask kept as a plain tensor attribute (not a buffer): a constant of the graph, which the
+    gradient of the product reads too."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.mask = torch.tensor([1.0, 0.0, 2.0, 1.0])
+
+    def forward(self, x):
+        return (self.a(x) * self.mask).sum()
+
+
+def test_a_plain_tensor_attribute_read_by_the_backward_and_then_replaced():
+    # The backward's copy of the constant was never emitted (KeyError while building the plan); and a
+    # mask assigned after planning was not seen (the plan kept the old one).
+    torch.manual_seed(0)
+    model, x = _PlainTensorAttribute(), torch.randn(3, 4, requires_grad=True)
+    reference = copy.deepcopy(model)
+    opt = optimize(model)
+    assert_equivalent(reference, opt, x)
+    model.mask.mul_(2)
+    reference.mask.mul_(2)
+    assert_equivalent(reference, opt, x)
+    model.mask = torch.tensor([0.0, 1.0, 0.0, 3.0])
+    reference.mask = model.mask.clone()
+    assert_equivalent(reference, opt, x)
