@@ -517,13 +517,20 @@ class _Configurable(nn.Module):
         return y + x if self.residual else y
 
 
-def test_plain_attributes_changed_after_planning_are_planned_again():
-    # A plan runs the graph, not the module's Python: it kept scale 1.0 and the residual, silently.
+def _planned_beside_a_copy(cls, x):
+    """A model, an untouched copy of it, and the model optimized, checked equal to the copy once."""
     torch.manual_seed(0)
-    model, x = _Configurable(), torch.randn(3, 4, requires_grad=True)
+    model = cls()
     reference = copy.deepcopy(model)
     opt = optimize(model)
     assert_equivalent(reference, opt, x)
+    return model, reference, opt
+
+
+def test_plain_attributes_changed_after_planning_are_planned_again():
+    # A plan runs the graph, not the module's Python: it kept scale 1.0 and the residual, silently.
+    x = torch.randn(3, 4, requires_grad=True)
+    model, reference, opt = _planned_beside_a_copy(_Configurable, x)
     for change in (lambda m: setattr(m, "scale", 3.0), lambda m: setattr(m, "residual", False),
                    lambda m: m.a.eval()):
         change(model)
@@ -574,11 +581,8 @@ class _PlainTensorAttribute(nn.Module):
 def test_a_plain_tensor_attribute_read_by_the_backward_and_then_replaced():
     # The backward's copy of the constant was never emitted (KeyError while building the plan); and a
     # mask assigned after planning was not seen (the plan kept the old one).
-    torch.manual_seed(0)
-    model, x = _PlainTensorAttribute(), torch.randn(3, 4, requires_grad=True)
-    reference = copy.deepcopy(model)
-    opt = optimize(model)
-    assert_equivalent(reference, opt, x)
+    x = torch.randn(3, 4, requires_grad=True)
+    model, reference, opt = _planned_beside_a_copy(_PlainTensorAttribute, x)
     model.mask.mul_(2)
     reference.mask.mul_(2)
     assert_equivalent(reference, opt, x)
