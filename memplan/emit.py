@@ -66,6 +66,9 @@ class Emitted:
     differentiable: tuple[int, ...]  # flat output positions that receive a tangent
     grad_inputs: tuple[int, ...]  # flat input positions the backward's gradients belong to
     constant_outputs: tuple[tuple[int, Any], ...]  # outputs that are Python constants
+    # positions among the saved values of plain values (a Python number read by .item()), not tensors
+    plain_saved: tuple[int, ...]
+    tangents: tuple[tuple[torch.Size, torch.dtype, torch.device], ...]  # per differentiable output
     run_forward: Callable[[list[Any]], Any] = dataclasses.field(repr=False, compare=False)
     run_backward: Callable[[list[Any]], Any] | None = dataclasses.field(repr=False, compare=False)
     # () -> (forward, backward): builds the GraphModules (see the module docstring).
@@ -226,12 +229,16 @@ def emit(graph: CapturedGraph) -> Emitted:
         build_modules = lambda: built  # noqa: E731 - the modules already built
 
     differentiable = tuple(i for i, s in enumerate(model_outputs) if s.differentiable)
+    tangents = [node.meta["val"] for node in placeholders if node.name in tangent_names]
     return Emitted(
         n_outputs=len(model_outputs),
         saved=tuple(n.name for n in saved),
         differentiable=differentiable,
         grad_inputs=grad_inputs,
         constant_outputs=tuple(constant_outputs),
+        plain_saved=tuple(i for i, n in enumerate(saved)
+                          if not (n.meta.get("val") is None or isinstance(n.meta.get("val"), torch.Tensor))),
+        tangents=tuple((t.shape, t.dtype, t.device) for t in tangents),
         run_forward=runners[0],
         run_backward=runners[1] if len(runners) > 1 else None,
         build_modules=build_modules,
@@ -250,10 +257,12 @@ class PlanFunction(torch.autograd.Function):
         ctx.n_inputs = len(flat)
         # Tensors go through autograd's saving; the plain values a graph can save too (a Python number
         # read from a tensor by .item() that the backward reads) are kept on ctx, in their places.
-        ctx.tensor_slots = [v is None or isinstance(v, torch.Tensor) for v in saved]
-        ctx.save_for_backward(*[v for v, slot in zip(saved, ctx.tensor_slots) if slot])
-        ctx.plain_values = None if all(ctx.tensor_slots) else [
-            None if slot else v for v, slot in zip(saved, ctx.tensor_slots)]
+        if emitted.plain_saved:
+            plain = set(emitted.plain_saved)
+            ctx.plain_values = {i: saved[i] for i in emitted.plain_saved}
+            ctx.save_for_backward(*[v for i, v in enumerate(saved) if i not in plain])
+        else:
+            ctx.save_for_backward(*saved)
         differentiable = set(emitted.differentiable)
         ctx.mark_non_differentiable(
             *[o for i, o in enumerate(outputs) if isinstance(o, torch.Tensor) and i not in differentiable]
@@ -262,20 +271,18 @@ class PlanFunction(torch.autograd.Function):
         # the non-differentiable ones included (an argmax returned beside the loss), which eager never
         # makes; the backward reads a broadcast zero for those it takes a tangent for.
         ctx.set_materialize_grads(False)
-        ctx.tangent_meta = [(outputs[i].shape, outputs[i].dtype, outputs[i].device) for i in emitted.differentiable]
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
         emitted: Emitted = ctx.emitted
         args: list[Any] = list(ctx.saved_tensors)
-        if ctx.plain_values is not None:
-            tensors = iter(args)
-            args = [next(tensors) if slot else v for v, slot in zip(ctx.plain_values, ctx.tensor_slots)]
+        for i in emitted.plain_saved:  # ascending: each goes back to its place
+            args.insert(i, ctx.plain_values[i])
         # Autograd would keep its copies until this whole backward returns; drop them now (unless the
         # graph is retained), so the boxed backward frees each saved tensor at its last use.
         ctx.maybe_clear_saved_tensors()
-        for i, (shape, dtype, device) in zip(emitted.differentiable, ctx.tangent_meta):
+        for i, (shape, dtype, device) in zip(emitted.differentiable, emitted.tangents):
             grad = grad_outputs[i]
             args.append(torch.zeros((), dtype=dtype, device=device).expand(shape) if grad is None
                         else _as_traced_layout(grad))
