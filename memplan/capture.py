@@ -283,16 +283,20 @@ def is_static_leaf(leaf: Any) -> bool:
     return isinstance(leaf, STATIC_TYPES)
 
 
+# Why a generator of the model's own cannot be planned, and what to do: for an argument and for an op alike.
+_OWN_GENERATOR_FIX = (
+    "A plan reproduces random ops from the global RNG stream only (as eager draws them under torch.manual_seed). "
+    'Fix: draw from the global RNG, pass the random tensor in as an input, or pass fallback="eager" to '
+    "memplan.optimize to run this model eagerly."
+)
+
+
 def _check_leaves(leaves: Sequence[Any], paths: Sequence[str]) -> None:
     for leaf, path in zip(leaves, paths):
         if is_static_leaf(leaf):
             continue
         if isinstance(leaf, torch.Generator):
-            raise UnsupportedInputError(
-                f"{path} is a torch.Generator; a plan reproduces random ops from the global RNG stream only "
-                "(as eager draws them under torch.manual_seed). Fix: draw from the global RNG, pass the random "
-                'tensor in as an input, or pass fallback="eager" to memplan.optimize to run this model eagerly.'
-            )
+            raise UnsupportedInputError(f"{path} is a torch.Generator. {_OWN_GENERATOR_FIX}")
         if not isinstance(leaf, torch.Tensor):
             raise UnsupportedInputError(
                 f"memplan plans over tensors and plain values (None, bool, int, float, str, dtype, device, "
@@ -943,9 +947,7 @@ def _capture_error(model: Any, exc: BaseException) -> CaptureError:
     if isinstance(exc, GeneratorArgumentError):
         return CaptureError(
             f"memplan cannot capture {name}: an op draws random numbers from a torch.Generator of its own{at}. "
-            "A plan reproduces random ops from the global RNG stream only (as eager draws them under "
-            "torch.manual_seed). Fix: draw from the global RNG, pass the random tensor in as an input, or "
-            'pass fallback="eager" to memplan.optimize to run this model eagerly.'
+            f"{_OWN_GENERATOR_FIX}"
         )
     if isinstance(exc, NotDenseError):
         return CaptureError(

@@ -466,8 +466,9 @@ class PassManager:
                     # Recomputing an unrolled loop's states all at once (remat's lowest plan on its own)
                     # leaves timesteps no saved step to checkpoint; the loops checkpointed first may go lower.
                     other = self._run(copy_graph(graph), lowest_policy, known, passes=loops_first)
-                    if _step_peak(other) < peak:
-                        result, peak = other, _step_peak(other)
+                    other_peak = _step_peak(other)
+                    if other_peak < peak:
+                        result, peak = other, other_peak
             if peak >= lowest:
                 break
             lowest = peak
@@ -536,9 +537,7 @@ class PassManager:
                 self.after_pass(name, graph)
         return PipelineResult(graph, tuple(records), am)
 
-    def _failure(self, name: str, index: int, graph: CapturedGraph, what: str,
-                 passes: Sequence[str] | None = None) -> PassError:
-        passes = self.passes if passes is None else passes
+    def _failure(self, name: str, index: int, graph: CapturedGraph, what: str, passes: Sequence[str]) -> PassError:
         before = ",".join(passes[:index]) or "(none)"
         message = f"pass {name!r} {what}. Passes run before it: {before}."
         if self.reproducer_dir is not None:

@@ -494,6 +494,9 @@ def _numel(value: Any) -> int:
     return int(value.numel()) if isinstance(value, torch.Tensor) else 0
 
 
+_FLOPS = "memplan_flops"  # node.meta key: (value, whether a view, FLOPs), see node_flops
+
+
 def node_flops(node: torch.fx.Node, tensors: Tensors | None = None) -> int:
     """Estimated FLOPs of one node, from the shapes of its fake values.
 
@@ -523,9 +526,6 @@ def node_flops(node: torch.fx.Node, tensors: Tensors | None = None) -> int:
     flops = 0 if view else _node_flops(node)
     meta[_FLOPS] = (value, view, flops)
     return flops
-
-
-_FLOPS = "memplan_flops"  # node.meta key: (value, whether a view, FLOPs), see node_flops
 
 
 def _node_flops(node: torch.fx.Node) -> int:
