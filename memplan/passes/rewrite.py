@@ -18,6 +18,12 @@ eager's (up to summation order):
     only temporaries are the selections' coordinates and values: it never materialises the product,
     its gradient (the max backward of eager scatters into a zero tensor of the product's size) or the
     gathered rows.
+(c) **Broadcast products.** Values built from broadcasts (an ``expand``, or a pointwise op's implicit
+    broadcast) by pointwise ops, by reductions over dimensions that are not broadcast, and by sums of
+    products are evaluated on the unexpanded values: each op at the broadcast of its operands' real
+    extents, a ``sum`` over a product of two smaller operands as one ``einsum``. The backward is that of
+    the unexpanded computation. ``F.cosine_similarity(z[:, None], z[None], dim=-1)`` then never holds
+    its ``(B, B, D)`` norms, quotients and product (see :class:`BroadcastProduct`).
 
 Stages
 ------
@@ -27,7 +33,9 @@ Stages
     (b) a ``max.dim``/``min.dim`` whose input is a chain of views of a ``bmm``/``mm`` used only there,
         whose reduced dimension is a factor of the product's rows or columns, and whose other
         dimensions factor the product's dimensions exactly (checked by walking each dimension back
-        through the view chain with the chunk pass's rules).
+        through the view chain with the chunk pass's rules);
+    (c) forward nodes reached from broadcasts through pointwise ops and reductions, in graph order, each
+        with the extents it is evaluated at; connected ones form one region.
 (2) Take the pattern's nodes as a region, find its backward by autograd sequence numbers
     (:func:`~memplan.passes._chunk.graphs.region_backward`) and match the gradients it reads to the region's
     outputs and the gradients it produces to the region's inputs (by shape, then sequence number).
@@ -52,6 +60,14 @@ Soundness conditions (each with a counterexample the detector refuses)
 * (b) Ties: ``max`` returns one index among equal values, and its eager backward sends the gradient
   to that index too, so gradients agree; ``amax`` (which splits the gradient among ties) is not
   rewritten.
+* (c) Reductions reduce only dimensions that are real in the unexpanded value. Counterexample:
+  ``x[:, None].expand(-1, 7, -1).sum(1)`` is ``7 * x``, not ``x.sum(1)``.
+* (c) A value read outside the region whose unexpanded form is smaller is expanded back and copied
+  (the region is kept only when that copy is at most half the largest value it removes); one read
+  outside as a view (an ``expand`` read by a reshape) is not rewritten.
+* (c) In-place writes only into a copy the region made (``clamp_min_`` of a cloned norm), at that
+  copy's extents. Counterexample: ``x[:, None].expand(...).exp().mul_(y)`` with ``y`` real along the
+  broadcast dimension cannot be written into the unexpanded value.
 * (b) Every other dimension of the max's input maps to one factor of the product (a permutation and
   reshape of it). Counterexample: a ``view`` that splits a row factor across two dimensions in a
   different order than the product's layout (an interleaving ``as_strided``) has no such map.
@@ -79,7 +95,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation
 from memplan.capture import CapturedGraph, Phase, _tag_backward_with_seq_nr
-from memplan.graphutil import packet_name
+from memplan.graphutil import mutated_args, packet_name
 from memplan.ops import grouped_addmm_
 from memplan.passes._chunk.graphs import (
     copy_graph,
@@ -92,7 +108,7 @@ from memplan.passes._chunk.graphs import (
 from memplan.passes._chunk.rules import Split
 from memplan.pipeline import PassContext, PassResult, PassStats, register_pass
 
-__all__ = ["BroadcastMatmul", "MatmulMax", "ScatterIntoZeros", "InterleavedSlices", "RewritePlan", "plan_rewrite", "apply_rewrite", "rewrite"]
+__all__ = ["BroadcastMatmul", "BroadcastProduct", "MatmulMax", "ScatterIntoZeros", "InterleavedSlices", "RewritePlan", "plan_rewrite", "apply_rewrite", "rewrite"]
 
 _VIEWS = {"view", "_unsafe_view", "reshape"}
 _CHAIN = _VIEWS | {"permute", "transpose", "t", "unsqueeze", "squeeze", "alias", "detach"}
@@ -201,7 +217,7 @@ class InterleavedSlices:
         return f"interleaved slice gradients {self.even}, {self.odd}: stacked"
 
 
-Rewrite = Union[BroadcastMatmul, MatmulMax, ScatterIntoZeros, InterleavedSlices]
+Rewrite = Union[BroadcastMatmul, MatmulMax, ScatterIntoZeros, InterleavedSlices, "BroadcastProduct"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -601,6 +617,296 @@ def _matmul_max_fn(pattern: MatmulMax, graph: CapturedGraph) -> Callable[..., tu
 
 
 # ----------------------------------------------------------------------------------------------
+# (c) broadcast products: explicit broadcasts evaluated unexpanded
+
+# Reductions a broadcast product may end in: ``(name, overload) -> (dims argument, keepdim argument)``
+# positions. Each reduces only the dimensions it names.
+_REDUCTIONS = {
+    ("sum", "dim_IntList"): (1, 2),
+    ("mean", "dim"): (1, 2),
+    ("amax", "default"): (1, 2),
+    ("amin", "default"): (1, 2),
+    ("logsumexp", "default"): (1, 2),
+    ("linalg_vector_norm", "default"): (2, 3),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class BroadcastProduct:
+    """Values built from explicit broadcasts (``expand``) by pointwise ops and by reductions over
+    dimensions that are not broadcast, evaluated on the unexpanded values: each op at the broadcast of
+    its operands' real extents, and a ``sum`` over a product of two broadcasts as one ``einsum`` (a
+    matrix product). ``F.cosine_similarity(z[:, None], z[None], dim=-1)`` expands both sides to
+    ``(B, B, D)`` and takes norms and quotients there; evaluated unexpanded, the norms and quotients are
+    ``(B, 1, D)`` and ``(1, B, D)`` and the similarity one ``(B, B)`` product, in the forward and in the
+    backward.
+
+    ``shapes`` holds, for each node of ``nodes``, the extents it is evaluated at (1 where broadcast);
+    ``contractions`` the ``sum`` nodes computed as an einsum of their product's operands (the product
+    itself is not computed); ``outputs`` the values read outside, expanded back where they were
+    broadcast."""
+
+    nodes: tuple[str, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    contractions: tuple[str, ...]
+    before: int  # elements of the largest value the region makes, as written
+    after: int  # the same, evaluated unexpanded
+
+    def __str__(self) -> str:
+        fused = f", {len(self.contractions)} product(s) as einsum" if self.contractions else ""
+        return (f"broadcast product {self.outputs[-1]}: {len(self.nodes)} ops evaluated unexpanded{fused} "
+                f"(largest value {self.before} -> {self.after} elements)")
+
+
+def _reduction(node: torch.fx.Node) -> tuple[tuple[int, ...], bool] | None:
+    """The dimensions (non-negative) a supported reduction reduces, and its keepdim; None otherwise."""
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    spec = _REDUCTIONS.get((packet_name(node), node.target._overloadname))
+    if spec is None:
+        return None
+    dims_at, keep_at = spec
+    schema = node.target._schema.arguments
+    if set(node.kwargs) - {schema[dims_at].name, schema[keep_at].name}:
+        return None  # a dtype or an out argument
+    dims = node.args[dims_at] if len(node.args) > dims_at else node.kwargs.get(schema[dims_at].name)
+    keepdim = node.args[keep_at] if len(node.args) > keep_at else node.kwargs.get(schema[keep_at].name, False)
+    if len(node.args) > keep_at + 1 or not isinstance(dims, (list, tuple)) or not dims:
+        return None
+    rank = len(_shape(node.args[0]))
+    if rank == 0 or any(not isinstance(d, int) or not -rank <= d < rank for d in dims):
+        return None
+    return tuple(sorted({d % rank for d in dims})), bool(keepdim)
+
+
+def _pointwise(node: torch.fx.Node) -> bool:
+    target = node.target
+    return (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+            and torch.Tag.nondeterministic_seeded not in target.tags)
+
+
+def _tensor_args(node: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """The tensor arguments of ``node`` (all top-level); None when a list holds one."""
+    found = []
+    for arg in [*node.args, *node.kwargs.values()]:
+        if isinstance(arg, torch.fx.Node):
+            if isinstance(arg.meta.get("val"), torch.Tensor):
+                found.append(arg)
+            elif arg.meta.get("val") is not None:
+                return None
+        elif isinstance(arg, (list, tuple)) and any(isinstance(a, torch.fx.Node) for a in arg):
+            return None
+    return found
+
+
+def _aligned(shape: Sequence[int], rank: int) -> tuple[int, ...]:
+    return (1,) * (rank - len(shape)) + tuple(shape)
+
+
+def _contraction_shape(p: tuple[int, ...], q: tuple[int, ...], full: tuple[int, ...],
+                       dims: tuple[int, ...], keepdim: bool) -> tuple[int, ...] | None:
+    """The evaluated shape of ``sum(p * q, dims)`` computed as an einsum; None when a summed dimension
+    is broadcast on both sides (the sum would be a multiple of one term)."""
+    out = []
+    for d, (a, b) in enumerate(zip(p, q)):
+        if d in dims:
+            if a == 1 and b == 1 and full[d] > 1:
+                return None
+            if keepdim:
+                out.append(1)
+        else:
+            out.append(max(a, b))
+    return tuple(out)
+
+
+def _find_broadcast_products(graph: CapturedGraph) -> list[BroadcastProduct]:
+    forward = _forward_nodes(graph)
+    shapes: dict[torch.fx.Node, tuple[int, ...]] = {}  # extents each region node is evaluated at
+    fused: dict[torch.fx.Node, torch.fx.Node] = {}  # sum -> the product it contracts
+    writers: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for node in forward:
+        for target in mutated_args(node):
+            writers.setdefault(target, []).append(node)
+    written = set(writers)
+    for node in forward:
+        name = packet_name(node)
+        if name not in ("expand", "sum") and not any(a in shapes for a in node.all_input_nodes):
+            continue  # (the common case, first: most nodes read no broadcast)
+        full = _shape(node)
+        if not isinstance(node.meta.get("val"), torch.Tensor) or not full:
+            continue
+        if name == "expand":
+            source = node.args[0]
+            if source in written or not isinstance(source.meta.get("val"), torch.Tensor):
+                continue
+            small = _aligned(_shape(source), len(full))
+            if small != full and all(s in (1, f) for s, f in zip(small, full)):
+                shapes[node] = small
+            continue
+        args = _tensor_args(node)
+        if not args:
+            continue
+        reduced = _reduction(node)
+        if reduced is not None and len(args) == 1 and name == "sum":
+            # a sum over a product of two smaller (broadcast) operands: one einsum
+            product = args[0]
+            pair = _tensor_args(product) if product.target is torch.ops.aten.mul.Tensor and len(product.users) == 1 else None
+            if pair is not None and len(pair) == 2 and product not in written and all(
+                    a.meta["val"].dtype == product.meta["val"].dtype and a.meta["val"].is_floating_point() for a in pair):
+                rank = len(_shape(product))
+                sides = [shapes.get(a, _aligned(_shape(a), rank)) for a in pair]
+                if len(sides[0]) == len(sides[1]) == rank and math.prod(_shape(product)) > max(math.prod(x) for x in sides):
+                    got = _contraction_shape(*sides, _shape(product), *reduced)
+                    if got is not None:
+                        shapes.setdefault(product, _shape(product))
+                        shapes[node] = got
+                        fused[node] = product
+                        continue
+        if not any(a in shapes for a in args):
+            continue
+        extents = [shapes.get(a, _aligned(_shape(a), len(full))) for a in args]
+        if reduced is not None and len(args) == 1:
+            dims, keepdim = reduced
+            (inner,) = extents
+            if any(inner[d] != _shape(args[0])[d] for d in dims):
+                continue  # a broadcast dimension reduced: not the same op on the unexpanded value
+            shapes[node] = tuple(1 if d in dims else s for d, s in enumerate(inner) if keepdim or d not in dims)
+            continue
+        if not _pointwise(node) or any(len(e) > len(full) for e in extents):
+            continue
+        out = tuple(max(e[d] for e in (_aligned(x, len(full)) for x in extents)) for d in range(len(full)))
+        target = mutated_args(node)
+        if target:
+            # in place: into a copy the region made (``clamp_min_`` of a cloned norm), at its extents
+            if len(target) != 1 or target[0] not in shapes or packet_name(target[0]) != "clone" or shapes[target[0]] != out:
+                continue
+        shapes[node] = out
+    # Components: region nodes joined by reading one another.
+    members = [n for n in forward if n in shapes]
+    parent = {n: n for n in members}
+
+    def root(n):
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for node in members:
+        for arg in node.all_input_nodes:
+            if arg in parent:
+                parent[root(arg)] = root(node)
+    groups: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for node in members:
+        groups.setdefault(root(node), []).append(node)
+    found = []
+    for nodes in groups.values():
+        pattern = _broadcast_product(graph, nodes, shapes, fused, writers)
+        if pattern is not None:
+            found.append(pattern)
+    return found
+
+
+def _broadcast_product(graph, nodes, shapes, fused, writers) -> BroadcastProduct | None:
+    region = set(nodes)
+    # Values written in place: a copy the region made, by the region, or a result the region hands on
+    # whole and no longer reads; an input or another region value written elsewhere would be read
+    # before or after the write depending on where the region runs.
+    for node in nodes:
+        if node not in writers:
+            continue
+        own_copy = packet_name(node) == "clone" and all(w in region for w in writers[node])
+        handed_on = shapes[node] == _shape(node) and not any(w in region or u in region for w in writers[node] for u in node.users)
+        if not (own_copy or handed_on):
+            return None
+    skipped = {p for s, p in fused.items() if s in region}
+    if any(p not in region or any(u is not s for u in p.users) for s, p in fused.items() if s in region):
+        return None
+    inputs: list[torch.fx.Node] = []
+    outputs: list[torch.fx.Node] = []
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            if arg not in region and arg not in inputs:
+                if arg in writers:
+                    return None
+                inputs.append(arg)
+        readers = [u for u in node.users if u not in region and (u.op == "output" or graph.phases.get(u.name) is Phase.FORWARD)]
+        if readers:
+            if node in skipped:
+                return None
+            if shapes[node] != _shape(node):
+                value = node.meta["val"]
+                if packet_name(node) == "expand" or tuple(value.stride()) != tuple(torch.empty(_shape(node), device="meta").stride()):
+                    return None  # expanded back, the value would be laid out otherwise
+            outputs.append(node)
+    if not outputs:
+        return None
+    computed = [n for n in nodes if n not in skipped and packet_name(n) != "expand"]
+    before = max((math.prod(_shape(n)) for n in nodes if packet_name(n) != "expand"), default=0)
+    after = max([math.prod(shapes[n]) for n in computed]
+                + [math.prod(_shape(n)) for n in outputs if shapes[n] != _shape(n) and packet_name(n) != "expand"], default=0)
+    if before < 2 * max(after, 1):
+        return None
+    return BroadcastProduct(
+        nodes=tuple(n.name for n in nodes), inputs=tuple(n.name for n in inputs), outputs=tuple(n.name for n in outputs),
+        shapes=tuple(shapes[n] for n in nodes), contractions=tuple(n.name for n in nodes if n in fused),
+        before=before, after=after,
+    )
+
+
+def _einsum(p: torch.Tensor, q: torch.Tensor, dims: tuple[int, ...], out_shape: tuple[int, ...]) -> torch.Tensor:
+    """``(p * q).sum(dims)`` (``p`` and ``q`` of one rank, broadcasting) as one einsum, shaped ``out_shape``."""
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    rank = p.dim()
+    left = "".join(letters[d] for d in range(rank) if p.shape[d] > 1)
+    right = "".join(letters[d] for d in range(rank) if q.shape[d] > 1)
+    kept = "".join(letters[d] for d in range(rank) if d not in dims and max(p.shape[d], q.shape[d]) > 1)
+    squeezed_p = p.reshape([s for s in p.shape if s > 1])
+    squeezed_q = q.reshape([s for s in q.shape if s > 1])
+    return torch.einsum(f"{left},{right}->{kept}", squeezed_p, squeezed_q).reshape(out_shape)
+
+
+def _broadcast_product_fn(pattern: BroadcastProduct, graph: CapturedGraph) -> Callable[..., tuple[torch.Tensor, ...]]:
+    nodes = [graph.node(n) for n in pattern.nodes]
+    extents = dict(zip(pattern.nodes, pattern.shapes))
+    contractions = set(pattern.contractions)
+    skipped = {graph.node(n).args[0].name for n in contractions}
+    full = {n.name: _shape(n) for n in nodes}
+    steps = [(n.name, packet_name(n), n.target, n.args, n.kwargs, _reduction(n) if n.name in contractions else None)
+             for n in nodes if n.name not in skipped]
+    products = {n: tuple(a.name for a in graph.node(n).args[0].args[:2]) for n in contractions}
+    skipped_of = {n: graph.node(n).args[0].name for n in contractions}
+    full.update((p, _shape(graph.node(p))) for p in skipped)
+
+    def fn(*values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        env: dict[str, Any] = dict(zip(pattern.inputs, values))
+
+        def get(arg):
+            return env[arg.name] if isinstance(arg, torch.fx.Node) else arg
+
+        for name, kind, target, args, kwargs, reduced in steps:
+            if kind == "expand":
+                value = env[args[0].name]
+                env[name] = value.reshape(_aligned(value.shape, len(full[name])))
+            elif reduced is not None:
+                rank = len(full[skipped_of[name]])
+                p, q = (env[a].reshape(_aligned(env[a].shape, rank)) for a in products[name])
+                env[name] = _einsum(p, q, reduced[0], extents[name])
+            else:
+                env[name] = target(*[get(a) for a in args], **{k: get(v) for k, v in kwargs.items()})
+        results = []
+        for name in pattern.outputs:
+            value = env[name]
+            if tuple(value.shape) != full[name]:
+                value = value.expand(full[name]).contiguous()
+            results.append(value)
+        return tuple(results)
+
+    return fn
+
+
+# ----------------------------------------------------------------------------------------------
 # region replacement (stages 2-4)
 
 
@@ -781,6 +1087,8 @@ def _pattern_nodes(pattern: Rewrite) -> set[str]:
         return {pattern.matmul, *pattern.chain, pattern.reduce}
     if isinstance(pattern, ScatterIntoZeros):
         return {pattern.add, pattern.scatter, pattern.zeros}
+    if isinstance(pattern, BroadcastProduct):
+        return set(pattern.nodes)
     return {pattern.add, pattern.even, pattern.odd}
 
 
@@ -833,7 +1141,7 @@ def plan_rewrite(graph: CapturedGraph) -> RewritePlan:
     # Step 1: the patterns, each node in at most one.
     found: list[Rewrite] = []
     taken: set[str] = set()
-    patterns = [*_find_broadcast_matmuls(graph), *_find_matmul_max(graph)]
+    patterns = [*_find_broadcast_matmuls(graph), *_find_matmul_max(graph), *_find_broadcast_products(graph)]
     patterns += [*_find_scatter_into_zeros(graph), *_find_interleaved_slices(graph)]
     for pattern in patterns:
         nodes = _pattern_nodes(pattern)
@@ -862,6 +1170,10 @@ def apply_rewrite(graph: CapturedGraph, plan: RewritePlan) -> tuple[CapturedGrap
             inputs, outputs = [pattern.other, pattern.source], [pattern.bmm]
             fn = _broadcast_matmul_fn(pattern, _shape(graph.node(pattern.other)))
             anchor = pattern.bmm
+        elif isinstance(pattern, BroadcastProduct):
+            region, inputs, outputs = list(pattern.nodes), list(pattern.inputs), list(pattern.outputs)
+            fn = _broadcast_product_fn(pattern, graph)
+            anchor = pattern.outputs[-1]
         else:
             region = [pattern.matmul, *pattern.chain, pattern.reduce, *pattern.items]
             inputs = [pattern.left, pattern.right]
