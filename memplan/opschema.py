@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["GRAD_MODE_OPS", "SIZED_BY_RUNNING", "mutated_args", "is_pure_view", "is_view_op"]
+__all__ = ["CONTIGUOUS_RESULTS", "GRAD_MODE_OPS", "SIZED_BY_RUNNING", "STORAGE_OF_INPUT", "mutated_args", "is_pure_view", "is_view_op"]
 
 
 # Operators whose kernels return other outputs with autograd's grad mode on than off, whatever their
@@ -31,12 +31,45 @@ GRAD_MODE_OPS = frozenset(
 SIZED_BY_RUNNING = frozenset({torch.ops.aten._ctc_loss.default})
 
 
+# Operators whose kernels return a contiguous result whatever the layout of their input, where the fake
+# kernel follows the input's layout (the loss backwards allocate ``zeros_like(input,
+# LEGACY_CONTIGUOUS_MEMORY_FORMAT)``): the gradient of ``F.mse_loss`` of a transposed input. A plan
+# traced on the fake layout would take views the real result does not allow; capture gives their
+# results the real layout.
+CONTIGUOUS_RESULTS = frozenset(
+    packet.default for packet in (getattr(torch.ops.aten, name, None)
+                                  for name in ("mse_loss_backward", "smooth_l1_loss_backward", "huber_loss_backward"))
+    if packet is not None
+)
+
+
+# Operators whose kernels make their result in storage allocated like their first argument, then resized
+# down: ``col2im`` (``F.fold``, the backward of ``F.unfold``) keeps storage as large as its input, up to
+# the kernel's area times its result. Capture gives their results a storage of that size, so the plan
+# counts what the kernel holds.
+STORAGE_OF_INPUT = frozenset(
+    packet.default for packet in (getattr(torch.ops.aten, name, None) for name in ("col2im",)) if packet is not None
+)
+
+
 # Passes ask these of every node again and again (hundreds of thousands of times on an unrolled loop),
 # so each operator's schema is read once. Keyed by ``id(target)``: an OpOverload hashes in Python (and
 # schemas with list defaults are unhashable), a dict keyed by its id does not; the target is kept
 # beside its facts so its id cannot be reused.
 _WRITTEN: dict[int, tuple[Any, tuple[tuple[int, str], ...]]] = {}
 _VIEWS: dict[int, tuple[Any, bool]] = {}
+
+
+# Operators that write into arguments their schema does not mark as written: the batch norms update
+# the running statistics (``running_mean``, ``running_var``) in place when ``training`` is true. By
+# name: ``(written positions, the position of the flag that makes them write)``.
+_UNMARKED_WRITES = {
+    "aten::native_batch_norm": ((3, 4), 5),
+    "aten::cudnn_batch_norm": ((3, 4), 5),
+    "aten::miopen_batch_norm": ((3, 4), 5),
+    "aten::batch_norm_update_stats": ((1, 2), None),
+}
+_WRITES_WHEN: dict[int, tuple[Any, tuple[int, str]]] = {}  # id(target) -> (target, the flag argument)
 
 
 def _written_arguments(target: Any) -> tuple[tuple[int, str], ...]:
@@ -47,6 +80,12 @@ def _written_arguments(target: Any) -> tuple[tuple[int, str], ...]:
         arguments = () if schema is None else schema.arguments
         written = tuple((i, arg.name) for i, arg in enumerate(arguments)
                         if arg.alias_info is not None and arg.alias_info.is_write)
+        unmarked = _UNMARKED_WRITES.get(schema.name) if schema is not None and schema.overload_name == "" else None
+        if unmarked is not None:
+            positions, flag = unmarked
+            written += tuple((i, arguments[i].name) for i in positions)
+            if flag is not None:
+                _WRITES_WHEN[id(target)] = (target, (flag, arguments[flag].name))
         known = _WRITTEN[id(target)] = (target, written)
     return known[1]
 
@@ -63,6 +102,11 @@ def mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
         written = _written_arguments(target)
     if not written:
         return []
+    gate = _WRITES_WHEN.get(id(target))
+    if gate is not None and gate[0] is target:
+        position, name = gate[1]
+        if not (node.args[position] if position < len(node.args) else node.kwargs.get(name, False)):
+            return []  # a batch norm in evaluation: it only reads the running statistics
     mutated = []
     for i, name in written:
         value = node.args[i] if i < len(node.args) else node.kwargs.get(name)

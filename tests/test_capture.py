@@ -14,10 +14,13 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import memplan
 from memplan._capture.tracer import Tracer, new_fake_mode
 from memplan.api import optimize
 from memplan.capture import Phase, capture
 from memplan.errors import CaptureError, UnsupportedInputError
+from memplan.graphutil import packet_name
+from memplan.steps import step_fn
 from memplan.testing import assert_equivalent, random_model, zoo
 
 
@@ -544,3 +547,44 @@ def test_an_op_drawing_from_a_generator_of_its_own_is_refused_with_its_line():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.testing.assert_close(opt(x), reference(x))
+
+
+def test_loss_gradients_get_the_layout_the_kernel_gives():
+    """``mse_loss_backward`` of a transposed input is contiguous on a real device, where the fake kernel
+    follows the input's layout: a plan traced on the fake layout took a view the real result refuses."""
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(18, 4))
+
+        def forward(self, z):
+            q = (self.w * 2).view(2, 9, 4).transpose(1, 2)
+            return nn.functional.mse_loss(q, z) + nn.functional.smooth_l1_loss(q, z)
+
+    torch.manual_seed(0)
+    model, z = Model(), torch.randn(2, 4, 9)
+    graph = capture(model, z)
+    for node in graph.gm.graph.nodes:
+        if packet_name(node) in ("mse_loss_backward", "smooth_l1_loss_backward"):
+            assert node.meta["val"].is_contiguous()
+    assert_equivalent(model, memplan.optimize(model), z)
+
+
+def test_fold_gradient_is_counted_at_the_storage_its_kernel_keeps():
+    """``col2im`` (the backward of ``F.unfold``) keeps storage as large as its input, nine times its
+    result for a 3x3 window: the prediction counts it, so a budget between the two is refused, not
+    planned and exceeded."""
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = nn.Conv2d(8, 8, 1)
+
+        def forward(self, x):
+            return nn.functional.unfold(self.q(x), 3, padding=1)
+
+    torch.manual_seed(0)
+    model, x = Model(), torch.randn(2, 8, 12, 12, requires_grad=True)
+    measured = memplan.measure(step_fn(model, (x,), train=True)).peak
+    assert memplan.analyze(model, x).peak == measured
+    with pytest.raises(memplan.InfeasibleBudgetError):
+        memplan.optimize(model, budget=int(0.7 * measured))(x)

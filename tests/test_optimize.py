@@ -589,3 +589,22 @@ def test_a_plain_tensor_attribute_read_by_the_backward_and_then_replaced():
     model.mask = torch.tensor([0.0, 1.0, 0.0, 3.0])
     reference.mask = model.mask.clone()
     assert_equivalent(reference, opt, x)
+
+
+def test_batch_norm_running_statistics_are_updated_once_per_step():
+    """``native_batch_norm`` writes the running statistics without saying so in its schema: a plan that
+    recomputes it in the backward (to get the batch statistics again) updated them twice a step."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1), nn.Conv2d(8, 32, 1, bias=False), nn.BatchNorm2d(32)).train()
+    eager, planned = copy.deepcopy(model), copy.deepcopy(model)
+    x = torch.randn(4, 3, 16, 16)
+    opt = memplan.optimize(planned)
+    for _ in range(2):
+        eager(x).sum().backward()
+        opt(x).sum().backward()
+    torch.testing.assert_close(planned[2].running_mean, eager[2].running_mean)
+    torch.testing.assert_close(planned[2].running_var, eager[2].running_var)
+    assert planned[2].num_batches_tracked == eager[2].num_batches_tracked == 2
+    assert opt.code.count("native_batch_norm.default(") == 1  # not recomputed in the backward

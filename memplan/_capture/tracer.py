@@ -71,7 +71,7 @@ from torch.utils._python_dispatch import (
     autograd_would_have_decomposed,
 )
 
-from memplan.opschema import GRAD_MODE_OPS, SIZED_BY_RUNNING
+from memplan.opschema import CONTIGUOUS_RESULTS, GRAD_MODE_OPS, SIZED_BY_RUNNING, STORAGE_OF_INPUT
 
 __all__ = ["NotDenseError", "Tracer", "new_fake_mode", "quiet_meta_failures"]
 
@@ -478,6 +478,13 @@ class Tracer(TorchDispatchMode):
             if any(type(size) is not int for size in tensor.shape):
                 # the shape depends on the values (a packed sequence's batch sizes): no static plan
                 raise DynamicOutputShapeException(func)
+        if func in CONTIGUOUS_RESULTS and isinstance(out, torch.Tensor) and not out.is_contiguous():
+            with self.fake_mode:
+                out = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        if func in STORAGE_OF_INPUT and isinstance(out, torch.Tensor) and args[0].numel() > out.numel():
+            with self.fake_mode:
+                base = torch.empty(args[0].numel(), dtype=out.dtype, device=out.device)
+                out = base.as_strided(out.shape, out.stride(), 0)
         if func in GRAD_MODE_OPS:
             out = self._sized_as_run(func, args, kwargs, out)
             node.meta["grad_enabled"] = torch.is_grad_enabled()
