@@ -718,6 +718,16 @@ def _finish_region(graph, label, n_units, region, flood: _Flood, border, back: _
 def _recompute_closure(region, region_set, materialised, body) -> list[torch.fx.Node]:
     """Forward values of the region the backward body reads, with their ancestors in the region, up to
     values the forward loop materialises."""
+    # A value recomputed is recomputed with the region's in-place writes into it or into a view of it
+    # (``idx[:, 1::2] = labels`` fills a recomputed zero tensor): they are not its ancestors.
+    writers: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for node in region:
+        for target in mutated_args(node):
+            chain = [target]
+            while packet_name(chain[-1]) in ALIAS_OPS and chain[-1].args:
+                chain.append(chain[-1].args[0])
+            for member in chain:
+                writers.setdefault(member, []).append(node)
     needed: set[torch.fx.Node] = set()
     stack = [a for n in body for a in n.all_input_nodes if a in region_set and a not in materialised]
     while stack:
@@ -726,6 +736,7 @@ def _recompute_closure(region, region_set, materialised, body) -> list[torch.fx.
             continue
         needed.add(node)
         stack.extend(a for a in node.all_input_nodes if a in region_set and a not in materialised)
+        stack.extend(w for w in writers.get(node, ()) if w not in materialised)
     return [n for n in region if n in needed]
 
 

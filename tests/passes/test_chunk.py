@@ -900,3 +900,27 @@ def test_a_loop_writes_each_chunk_into_its_slice_or_copies_where_the_slice_is_st
     )
     (result, _scratch) = ChunkLoop(spec, bodies)(x)
     torch.testing.assert_close(result, x, rtol=0, atol=0)
+
+
+class GatherByIndexFilledInPlace(nn.Module):
+    """The index of a gather built by an in-place write into zeros (``idx[:, 1] = labels``): the chunked
+    backward recomputes the zeros, and must fill them again before its gather's gradient scatters."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(32, 4096)
+
+    def forward(self, x, labels):
+        logp = self.proj(x).log_softmax(-1)
+        index = torch.zeros(x.shape[0], 2, dtype=torch.long)
+        index[:, 1] = labels
+        return -logp.gather(1, index).mean()
+
+
+def test_a_recomputed_value_is_recomputed_with_its_in_place_writes():
+    torch.manual_seed(0)
+    model = GatherByIndexFilledInPlace()
+    x, labels = torch.randn(256, 32, requires_grad=True), torch.randint(1, 4096, (256,))
+    opt = memplan.optimize(model, budget="7MiB")
+    assert_equivalent(model, opt, x, labels)
+    assert any(r.name == "chunk" and r.changed for r in opt.plan.records)
