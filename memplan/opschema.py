@@ -13,15 +13,19 @@ import torch.fx
 __all__ = ["CONTIGUOUS_RESULTS", "GRAD_MODE_OPS", "SIZED_BY_RUNNING", "STORAGE_OF_INPUT", "mutated_args", "is_pure_view", "is_view_op"]
 
 
+def _defaults(*names: str) -> frozenset:
+    """The default overloads of the aten operators ``names`` this build has (one without oneDNN has no
+    ``mkldnn_rnn_layer``)."""
+    return frozenset(packet.default for packet in (getattr(torch.ops.aten, name, None) for name in names)
+                     if packet is not None)
+
+
 # Operators whose kernels return other outputs with autograd's grad mode on than off, whatever their
 # arguments say: oneDNN's LSTM layer (what ``nn.LSTM`` runs on CPU) returns the workspace its backward
 # reads only with it on, and its fake kernel makes that workspace empty. Capture learns their outputs'
 # sizes from the real kernel and records the grad mode of each call (``node.meta["grad_enabled"]``);
 # planned code, which runs with grad mode off, calls them in the recorded mode.
-GRAD_MODE_OPS = frozenset(
-    packet.default for packet in (getattr(torch.ops.aten, name, None) for name in ("mkldnn_rnn_layer",))
-    if packet is not None  # a build without oneDNN has no such operator
-)
+GRAD_MODE_OPS = _defaults("mkldnn_rnn_layer")
 
 
 # Operators whose fake kernel refuses to size the outputs (it treats them as depending on values), though
@@ -36,20 +40,14 @@ SIZED_BY_RUNNING = frozenset({torch.ops.aten._ctc_loss.default})
 # LEGACY_CONTIGUOUS_MEMORY_FORMAT)``): the gradient of ``F.mse_loss`` of a transposed input. A plan
 # traced on the fake layout would take views the real result does not allow; capture gives their
 # results the real layout.
-CONTIGUOUS_RESULTS = frozenset(
-    packet.default for packet in (getattr(torch.ops.aten, name, None)
-                                  for name in ("mse_loss_backward", "smooth_l1_loss_backward", "huber_loss_backward"))
-    if packet is not None
-)
+CONTIGUOUS_RESULTS = _defaults("mse_loss_backward", "smooth_l1_loss_backward", "huber_loss_backward")
 
 
 # Operators whose kernels make their result in storage allocated like their first argument, then resized
 # down: ``col2im`` (``F.fold``, the backward of ``F.unfold``) keeps storage as large as its input, up to
 # the kernel's area times its result. Capture gives their results a storage of that size, so the plan
 # counts what the kernel holds.
-STORAGE_OF_INPUT = frozenset(
-    packet.default for packet in (getattr(torch.ops.aten, name, None) for name in ("col2im",)) if packet is not None
-)
+STORAGE_OF_INPUT = _defaults("col2im")
 
 
 # Passes ask these of every node again and again (hundreds of thousands of times on an unrolled loop),

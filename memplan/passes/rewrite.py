@@ -250,7 +250,7 @@ def _find_broadcast_matmuls(graph: CapturedGraph) -> list[BroadcastMatmul]:
             if len(shape) < 3 or _shape(node.args[side]) != (math.prod(shape[:-2]), shape[-2], shape[-1]):
                 continue
             source = expand.args[0]
-            aligned = (1,) * (len(shape) - len(_shape(source))) + _shape(source)
+            aligned = _aligned(_shape(source), len(shape))
             if aligned[-2:] != shape[-2:]:
                 continue
             broadcast = tuple(i for i in range(len(shape) - 2) if aligned[i] == 1 and shape[i] > 1)
@@ -783,25 +783,20 @@ def _find_broadcast_products(graph: CapturedGraph) -> list[BroadcastProduct]:
             if len(target) != 1 or target[0] not in shapes or packet_name(target[0]) != "clone" or shapes[target[0]] != out:
                 continue
         shapes[node] = out
-    # Components: region nodes joined by reading one another.
+    # Components: region nodes joined by reading one another, each in graph order.
     members = [n for n in forward if n in shapes]
-    parent = {n: n for n in members}
+    if not members:
+        return []
+    import networkx as nx  # here: most graphs have no broadcast to group
 
-    def root(n):
-        while parent[n] is not n:
-            parent[n] = parent[parent[n]]
-            n = parent[n]
-        return n
-
-    for node in members:
-        for arg in node.all_input_nodes:
-            if arg in parent:
-                parent[root(arg)] = root(node)
-    groups: dict[torch.fx.Node, list[torch.fx.Node]] = {}
-    for node in members:
-        groups.setdefault(root(node), []).append(node)
+    joined = nx.Graph()
+    joined.add_nodes_from(members)
+    joined.add_edges_from((arg, node) for node in members for arg in node.all_input_nodes if arg in shapes)
+    position = {n: i for i, n in enumerate(members)}
+    components = sorted((sorted(c, key=position.__getitem__) for c in nx.connected_components(joined)),
+                        key=lambda c: position[c[0]])
     found = []
-    for nodes in groups.values():
+    for nodes in components:
         pattern = _broadcast_product(graph, nodes, shapes, fused, writers)
         if pattern is not None:
             found.append(pattern)
@@ -870,14 +865,11 @@ def _einsum(p: torch.Tensor, q: torch.Tensor, dims: tuple[int, ...], out_shape: 
 def _broadcast_product_fn(pattern: BroadcastProduct, graph: CapturedGraph) -> Callable[..., tuple[torch.Tensor, ...]]:
     nodes = [graph.node(n) for n in pattern.nodes]
     extents = dict(zip(pattern.nodes, pattern.shapes))
-    contractions = set(pattern.contractions)
-    skipped = {graph.node(n).args[0].name for n in contractions}
-    full = {n.name: _shape(n) for n in nodes}
-    steps = [(n.name, packet_name(n), n.target, n.args, n.kwargs, _reduction(n) if n.name in contractions else None)
+    product_of = {n: graph.node(n).args[0] for n in pattern.contractions}  # sum -> the product it contracts
+    skipped = {p.name for p in product_of.values()}
+    full = {n.name: _shape(n) for n in nodes}  # the products are region nodes too
+    steps = [(n.name, packet_name(n), n.target, n.args, n.kwargs, _reduction(n) if n.name in product_of else None)
              for n in nodes if n.name not in skipped]
-    products = {n: tuple(a.name for a in graph.node(n).args[0].args[:2]) for n in contractions}
-    skipped_of = {n: graph.node(n).args[0].name for n in contractions}
-    full.update((p, _shape(graph.node(p))) for p in skipped)
 
     def fn(*values: torch.Tensor) -> tuple[torch.Tensor, ...]:
         env: dict[str, Any] = dict(zip(pattern.inputs, values))
@@ -890,8 +882,9 @@ def _broadcast_product_fn(pattern: BroadcastProduct, graph: CapturedGraph) -> Ca
                 value = env[args[0].name]
                 env[name] = value.reshape(_aligned(value.shape, len(full[name])))
             elif reduced is not None:
-                rank = len(full[skipped_of[name]])
-                p, q = (env[a].reshape(_aligned(env[a].shape, rank)) for a in products[name])
+                product = product_of[name]
+                rank = len(full[product.name])
+                p, q = (env[a.name].reshape(_aligned(env[a.name].shape, rank)) for a in product.args[:2])
                 env[name] = _einsum(p, q, reduced[0], extents[name])
             else:
                 env[name] = target(*[get(a) for a in args], **{k: get(v) for k, v in kwargs.items()})
