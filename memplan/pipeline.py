@@ -8,7 +8,10 @@ graph, invalidates the analyses the pass did not preserve, then verifies:
 (1) ``graph.lint()``;
 (2) every ``call_function`` node has a phase, and no forward node reads a backward node;
 (3) alias safety: no in-place write lands on a storage that a node defined before the write still
-    reads after it (a stale read), beyond those the user's own code already had.
+    reads after it (a stale read), beyond those the user's own code already had. This one is checked
+    after each pass when ``reproducer_dir`` is set, otherwise once on the last graph (a stale read
+    there was added by a pass and survived the rest; the error names the last pass that added its
+    writer or reader).
 
 A failing pass raises :class:`~memplan.errors.PassError` naming it and the passes before it, and a
 reproducer (graph, metadata, pipeline string) is saved when ``reproducer_dir`` is set;
@@ -237,6 +240,14 @@ def mutation_hazards(graph: CapturedGraph, am: AnalysisManager) -> frozenset[tup
                     if q > p:
                         hazards.add((node.name, reader))
     return frozenset(hazards)
+
+
+def _raise_new_hazards(new: frozenset[tuple[str, str]]) -> None:
+    if new:
+        writer, reader = sorted(new)[0]
+        raise AssertionError(
+            f"in-place write by {writer} clobbers a value {reader} still reads afterwards ({len(new)} such hazard(s))"
+        )
 
 
 def element_span(value: Any) -> tuple[int, int] | None:
@@ -499,6 +510,13 @@ class PassManager:
         graph = dataclasses.replace(graph, lifetimes="graph")
         am = AnalysisManager(graph, known)
         baseline_hazards = mutation_hazards(graph, am)
+        # In-place hazards are checked after every pass when a failure would save a reproducer (the
+        # graph before the failing pass); otherwise once, on the last graph: a hazard there that the
+        # first graph lacks was added by some pass and survived the later ones, which the check after
+        # every pass would have caught too. On a long unrolled loop each check costs about half a second.
+        stepwise = self.reproducer_dir is not None
+        names = None if stepwise else {(n.name, n.target) for n in graph.gm.graph.nodes}
+        created: list[tuple[int, str, set[str]]] = []  # (index, pass, names of the nodes it added or retargeted)
         records = []
         for i, name in enumerate(passes):
             if self.before_pass is not None:
@@ -515,18 +533,17 @@ class PassManager:
                 am.update(result.graph, result.preserved, computed=result.analyses)
                 try:
                     verify(result.graph, am)
-                    hazards = mutation_hazards(result.graph, am)
-                    new = hazards - baseline_hazards
-                    if new:
-                        writer, reader = sorted(new)[0]
-                        raise AssertionError(
-                            f"in-place write by {writer} clobbers a value {reader} still reads afterwards "
-                            f"({len(new)} such hazard(s))"
-                        )
+                    if stepwise:
+                        hazards = mutation_hazards(result.graph, am)
+                        _raise_new_hazards(hazards - baseline_hazards)
+                        baseline_hazards = hazards
                 except AssertionError as exc:
                     raise self._failure(name, i, graph, f"broke an invariant: {exc}", passes) from exc
+                if not stepwise:
+                    now = {(n.name, n.target) for n in result.graph.gm.graph.nodes}
+                    created.append((i, name, {node for node, _ in now - names}))
+                    names = now
                 graph = result.graph
-                baseline_hazards = hazards
             elif result.graph is not graph:
                 raise self._failure(name, i, graph, "returned a new graph but reported changed=False", passes)
             peak_after = am.get(PeakSimulation).peak
@@ -535,6 +552,17 @@ class PassManager:
             )
             if self.after_pass is not None:
                 self.after_pass(name, graph)
+        if created:
+            new = mutation_hazards(graph, am) - baseline_hazards
+            try:
+                _raise_new_hazards(new)
+            except AssertionError as exc:
+                # the pass named: the last one that added (or retargeted) the writer or the reader (the last pass that
+                # changed the graph when neither was added, the hazard coming from a new order)
+                involved = set(sorted(new)[0])
+                i, name, _ = next((c for c in reversed(created) if c[2] & involved), created[-1])
+                what = f"broke an invariant: {exc} (checked after the last pass; a reproducer_dir checks after each)"
+                raise self._failure(name, i, graph, what, passes) from exc
         return PipelineResult(graph, tuple(records), am)
 
     def _failure(self, name: str, index: int, graph: CapturedGraph, what: str, passes: Sequence[str]) -> PassError:

@@ -88,6 +88,24 @@ def test_a_pass_that_clobbers_a_live_value_is_caught():
         PassManager("_test_identity,_test_clobber").run(graph)
 
 
+def test_a_clobber_is_found_on_the_last_graph_and_blamed_on_the_pass_that_made_it(tmp_path):
+    # without a reproducer_dir the hazard check runs once, after the last pass; it still names the
+    # pass that turned sin into sin_, not the correct pass that ran after it
+    graph = capture(chain, torch.randn(8), train=False)
+    with pytest.raises(PassError) as info:
+        PassManager("_test_clobber,_test_measures").run(graph)
+    message = str(info.value)
+    assert "pass '_test_clobber' broke an invariant: in-place write by sin" in message
+    assert "checked after the last pass" in message
+    # with a reproducer_dir it is checked after each pass, so the later pass never runs
+    HANDED.clear()
+    graph = capture(chain, torch.randn(8), train=False)
+    with pytest.raises(PassError) as info:
+        PassManager("_test_clobber,_test_measures", reproducer_dir=tmp_path).run(graph)
+    assert "pass '_test_clobber' broke an invariant" in str(info.value)
+    assert "checked after the last pass" not in str(info.value) and not HANDED
+
+
 def test_failure_names_the_pass_and_those_before_and_saves_a_reproducer(tmp_path):
     graph = capture(chain, torch.randn(8, requires_grad=True))
     with pytest.raises(PassError) as info:
