@@ -632,6 +632,8 @@ def _analyse(
             return None
         if any(shape_of(n)[s.dim] != n_units * s.inner for n, s in flood.slices.items()):
             return None
+        if _tuple_leaves(graph, region, flood):
+            return None
         rb = region_backward(graph, [n.name for n in region], search.backward)
         if rb is None:
             return None
@@ -649,6 +651,26 @@ def _analyse(
             continue
         return _finish_region(graph, label, n_units, region, flood, border, back)
     return None
+
+
+def _relabelled_out(region_set: set[torch.fx.Node], flood: _Flood) -> set[torch.fx.Node]:
+    """Relabelled nodes that read nothing of the region: they stay outside the loop."""
+    return {n for n in flood.relabel if not any(a in region_set for a in n.all_input_nodes)}
+
+
+def _tuple_leaves(graph: CapturedGraph, region: Sequence[torch.fx.Node], flood: _Flood) -> bool:
+    """Whether a forward node outside the region reads a tuple value of it, which
+    :func:`_finish_region` refuses (only a tuple's items may leave a loop; a forward user never joins
+    the backward body). Checked before the region's backward is searched, which on a long unrolled
+    loop takes about a second with the backward flood; such a region is dropped then, without the
+    narrower retry a failing backward flood would have led to."""
+    region_set = set(region)
+    relabelled = _relabelled_out(region_set, flood)
+    return any(
+        isinstance(flood.states[node], tuple) and node not in relabelled
+        and any(u not in region_set and graph.phases.get(u.name) is Phase.FORWARD for u in node.users)
+        for node in region
+    )
 
 
 def _finish_region(graph, label, n_units, region, flood: _Flood, border, back: _Flood) -> ChunkRegion | None:
@@ -684,7 +706,7 @@ def _finish_region(graph, label, n_units, region, flood: _Flood, border, back: _
             downstream.add(node)
     if any(a in downstream for n in body for a in n.all_input_nodes):
         return None
-    relabelled_out = {n for n in flood.relabel if not any(a in region_set for a in n.all_input_nodes)}
+    relabelled_out = _relabelled_out(region_set, flood)
     outputs = []
     for node in region:
         if node in relabelled_out:

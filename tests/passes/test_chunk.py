@@ -278,6 +278,29 @@ def test_zoo_is_untouched_or_equivalent(z):
     assert_equivalent(z.model, opt, *z.inputs, **TOL)
 
 
+def test_a_region_whose_tuple_leaves_it_is_dropped_before_its_backward_is_searched(monkeypatch):
+    # the latent GRU's batch dimension reaches a split (a tuple) whose items the forward reads outside
+    # the region: the analysis gives up before searching the backward, with the answer the full
+    # analysis gives
+    import memplan.passes.chunk as chunk_module
+
+    w = examples.make("latent_gru")
+    graph = capture(w.model, *w.inputs)
+    seeds = dict(chunk_module._seed_sets(graph, chunk_module.ChunkOptions.from_options({})))
+    batch = {k: v for k, v in seeds.items() if k.startswith("dim 1 of args[0]")}
+    assert batch
+    searched = []
+    real = chunk_module.region_backward
+    monkeypatch.setattr(chunk_module, "region_backward", lambda *a, **k: searched.append(1) or real(*a, **k))
+    for label, seed in batch.items():
+        assert chunk_module._analyse(graph, seed, label) is None
+    assert not searched
+    monkeypatch.setattr(chunk_module, "_tuple_leaves", lambda *a: False)
+    for label, seed in batch.items():
+        assert chunk_module._analyse(graph, seed, label) is None
+    assert searched
+
+
 def test_random_op_is_never_chunked():
     model = DropoutPairwise()
     x, y = torch.randn(40, 16, requires_grad=True), torch.randn(30, 16, requires_grad=True)
