@@ -263,3 +263,27 @@ def test_outputs_the_loss_does_not_reach_get_no_allocated_gradient():
     expected = torch.autograd.grad(model(x)[2].square().sum(), model.f.weight)[0]
     got = torch.autograd.grad(opt(x)[2].square().sum(), model.f.weight)[0]
     torch.testing.assert_close(got, expected)
+
+
+class _DetachedTwin(nn.Module):
+    """Returns a value beside its detached self, and an input beside its detached self."""
+
+    def __init__(self):
+        super().__init__()
+        self.f = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.f(x).tanh()
+        return y.detach(), y, x.detach(), x, y.detach() * 2
+
+
+def test_a_detached_output_leaves_its_twin_differentiable():
+    # The plan drops detaches, so y.detach() came out as the very tensor y: marking it
+    # non-differentiable took y's gradient away (backward raised "does not require grad").
+    torch.manual_seed(0)
+    model, x = _DetachedTwin(), torch.randn(4, 8, requires_grad=True)
+    opt = memplan.optimize(model)
+    got, expected = opt(x), model(x)
+    assert [o.requires_grad for o in got] == [o.requires_grad for o in expected] == [False, True, False, True, False]
+    assert got[0].data_ptr() == got[1].data_ptr()  # still one storage: the alias costs no memory
+    assert_equivalent(model, opt, x)
