@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["CONTIGUOUS_RESULTS", "GRAD_MODE_OPS", "SIZED_BY_RUNNING", "STORAGE_OF_INPUT", "mutated_args", "is_pure_view", "is_view_op"]
+__all__ = ["CONTIGUOUS_RESULTS", "GRAD_MODE_OPS", "SIZED_BY_RUNNING", "REDUCED_IN_RESULT", "STORAGE_OF_INPUT", "mutated_args", "result_storage_numel", "is_pure_view", "is_view_op"]
 
 
 def _defaults(*names: str) -> frozenset:
@@ -48,6 +48,45 @@ CONTIGUOUS_RESULTS = _defaults("mse_loss_backward", "smooth_l1_loss_backward", "
 # the kernel's area times its result. Capture gives their results a storage of that size, so the plan
 # counts what the kernel holds.
 STORAGE_OF_INPUT = _defaults("col2im")
+
+
+# Losses whose CPU kernels, with a reduction (``"mean"``, ``"sum"``), write the elementwise loss into
+# their result's storage and then reduce it in place: the 0-d loss keeps a storage of the broadcast
+# inputs' size for as long as it lives (through the backward, in training). ``F.mse_loss``,
+# ``F.smooth_l1_loss``, ``F.soft_margin_loss``, ``F.binary_cross_entropy``; ``huber_loss`` does not.
+# Capture gives their results that storage (see :func:`result_storage_numel`). CUDA kernels are left as
+# the fake kernel says (not measured).
+REDUCED_IN_RESULT = _defaults("mse_loss", "smooth_l1_loss", "soft_margin_loss", "binary_cross_entropy")
+_REDUCTION_ARG = {"mse_loss": 2, "smooth_l1_loss": 2, "soft_margin_loss": 2, "binary_cross_entropy": 3}
+
+
+def result_storage_numel(func: Any, args: tuple, kwargs: dict, out: Any) -> int | None:
+    """Elements of the storage the real kernel gives ``out`` (a tensor result of ``func`` called on
+    ``args``), where it is known to differ from the result's own elements; None otherwise.
+
+    Examples
+    --------
+    >>> import torch
+    >>> a, b = torch.randn(8, 4), torch.randn(8, 4)
+    >>> result_storage_numel(torch.ops.aten.mse_loss.default, (a, b), {}, torch.ops.aten.mse_loss(a, b))
+    32
+    >>> result_storage_numel(torch.ops.aten.mse_loss.default, (a, b, 0), {}, torch.ops.aten.mse_loss(a, b, 0)) is None
+    True
+    """
+    if not isinstance(out, torch.Tensor):
+        return None
+    if func in STORAGE_OF_INPUT:
+        return args[0].numel()
+    if func in REDUCED_IN_RESULT and out.device.type == "cpu":
+        index = _REDUCTION_ARG[func._opname]
+        reduction = args[index] if len(args) > index else kwargs.get("reduction", 1)
+        if reduction == 0 or not all(isinstance(a, torch.Tensor) for a in args[:2]):
+            return None
+        numel = 1
+        for size in torch.broadcast_shapes(args[0].shape, args[1].shape):
+            numel *= int(size)
+        return numel
+    return None
 
 
 # Passes ask these of every node again and again (hundreds of thousands of times on an unrolled loop),

@@ -71,7 +71,9 @@ from torch.utils._python_dispatch import (
     autograd_would_have_decomposed,
 )
 
-from memplan.opschema import CONTIGUOUS_RESULTS, GRAD_MODE_OPS, SIZED_BY_RUNNING, STORAGE_OF_INPUT
+from memplan.opschema import (
+    CONTIGUOUS_RESULTS, GRAD_MODE_OPS, REDUCED_IN_RESULT, SIZED_BY_RUNNING, STORAGE_OF_INPUT, result_storage_numel,
+)
 
 __all__ = ["NotDenseError", "Tracer", "new_fake_mode", "quiet_meta_failures"]
 
@@ -97,6 +99,7 @@ _SCALARS = frozenset(
 _UNCACHEABLE = "uncacheable"
 _SYMBOLS = (torch.SymInt, torch.SymFloat, torch.SymBool)
 _PROXY = torch._C._TorchDispatchModeKey.PROXY
+_HELD_STORAGE = STORAGE_OF_INPUT | REDUCED_IN_RESULT  # results whose storage the real kernel makes larger
 
 
 class _Uncacheable(Exception):
@@ -481,10 +484,12 @@ class Tracer(TorchDispatchMode):
         if func in CONTIGUOUS_RESULTS and isinstance(out, torch.Tensor) and not out.is_contiguous():
             with self.fake_mode:
                 out = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-        if func in STORAGE_OF_INPUT and isinstance(out, torch.Tensor) and args[0].numel() > out.numel():
-            with self.fake_mode:
-                base = torch.empty(args[0].numel(), dtype=out.dtype, device=out.device)
-                out = base.as_strided(out.shape, out.stride(), 0)
+        if func in _HELD_STORAGE:
+            numel = result_storage_numel(func, args, kwargs, out)
+            if numel is not None and numel > out.numel():
+                with self.fake_mode:
+                    base = torch.empty(numel, dtype=out.dtype, device=out.device)
+                    out = base.as_strided(out.shape, out.stride(), 0)
         if func in GRAD_MODE_OPS:
             out = self._sized_as_run(func, args, kwargs, out)
             node.meta["grad_enabled"] = torch.is_grad_enabled()
