@@ -267,14 +267,13 @@ class PlanFunction(torch.autograd.Function):
         # The plan drops detaches (a no-op outside autograd), so an output the model detached can be
         # the very tensor of a differentiable output (``return y, y.detach()``) or of an input: marked
         # as it is, it would take the other's gradient away. It is returned as an alias of its own.
-        taken = {id(o) for i, o in enumerate(outputs) if i in differentiable} | {id(x) for x in flat}
-        plain = []
-        for i, o in enumerate(outputs):
-            if isinstance(o, torch.Tensor) and i not in differentiable:
-                if id(o) in taken:
-                    o = outputs[i] = o.detach()
-                plain.append(o)
-        ctx.mark_non_differentiable(*plain)
+        plain = [i for i, o in enumerate(outputs) if isinstance(o, torch.Tensor) and i not in differentiable]
+        if plain:
+            taken = {id(o) for i, o in enumerate(outputs) if i in differentiable} | {id(x) for x in flat}
+            for i in plain:
+                if id(outputs[i]) in taken:
+                    outputs[i] = outputs[i].detach()
+            ctx.mark_non_differentiable(*[outputs[i] for i in plain])
         # Autograd would otherwise allocate a zero gradient for every output the loss does not reach,
         # the non-differentiable ones included (an argmax returned beside the loss), which eager never
         # makes; the backward reads a broadcast zero for those it takes a tangent for.

@@ -82,10 +82,7 @@ def result_storage_numel(func: Any, args: tuple, kwargs: dict, out: Any) -> int 
         reduction = args[index] if len(args) > index else kwargs.get("reduction", 1)
         if reduction == 0 or not all(isinstance(a, torch.Tensor) for a in args[:2]):
             return None
-        numel = 1
-        for size in torch.broadcast_shapes(args[0].shape, args[1].shape):
-            numel *= int(size)
-        return numel
+        return torch.broadcast_shapes(args[0].shape, args[1].shape).numel()
     return None
 
 

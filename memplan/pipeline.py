@@ -242,12 +242,9 @@ def mutation_hazards(graph: CapturedGraph, am: AnalysisManager) -> frozenset[tup
     return frozenset(hazards)
 
 
-def _raise_new_hazards(new: frozenset[tuple[str, str]]) -> None:
-    if new:
-        writer, reader = sorted(new)[0]
-        raise AssertionError(
-            f"in-place write by {writer} clobbers a value {reader} still reads afterwards ({len(new)} such hazard(s))"
-        )
+def _hazard_message(new: frozenset[tuple[str, str]]) -> str:
+    writer, reader = sorted(new)[0]
+    return f"in-place write by {writer} clobbers a value {reader} still reads afterwards ({len(new)} such hazard(s))"
 
 
 def element_span(value: Any) -> tuple[int, int] | None:
@@ -535,7 +532,8 @@ class PassManager:
                     verify(result.graph, am)
                     if stepwise:
                         hazards = mutation_hazards(result.graph, am)
-                        _raise_new_hazards(hazards - baseline_hazards)
+                        if hazards - baseline_hazards:
+                            raise AssertionError(_hazard_message(hazards - baseline_hazards))
                         baseline_hazards = hazards
                 except AssertionError as exc:
                     raise self._failure(name, i, graph, f"broke an invariant: {exc}", passes) from exc
@@ -554,15 +552,13 @@ class PassManager:
                 self.after_pass(name, graph)
         if created:
             new = mutation_hazards(graph, am) - baseline_hazards
-            try:
-                _raise_new_hazards(new)
-            except AssertionError as exc:
-                # the pass named: the last one that added (or retargeted) the writer or the reader (the last pass that
-                # changed the graph when neither was added, the hazard coming from a new order)
+            if new:
+                # the pass named: the last one that added (or retargeted) the writer or the reader (the
+                # last pass that changed the graph when neither was, the hazard coming from a new order)
                 involved = set(sorted(new)[0])
                 i, name, _ = next((c for c in reversed(created) if c[2] & involved), created[-1])
-                what = f"broke an invariant: {exc} (checked after the last pass; a reproducer_dir checks after each)"
-                raise self._failure(name, i, graph, what, passes) from exc
+                what = f"broke an invariant: {_hazard_message(new)} (checked after the last pass; a reproducer_dir checks after each)"
+                raise self._failure(name, i, graph, what, passes)
         return PipelineResult(graph, tuple(records), am)
 
     def _failure(self, name: str, index: int, graph: CapturedGraph, what: str, passes: Sequence[str]) -> PassError:

@@ -16,6 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import memplan
 from memplan._capture.tracer import Tracer, new_fake_mode
+from memplan.analysis.peak import step_margin
 from memplan.api import optimize
 from memplan.capture import Phase, capture
 from memplan.errors import CaptureError, UnsupportedInputError
@@ -598,8 +599,6 @@ def test_a_reduced_loss_is_counted_at_the_storage_its_kernel_keeps(loss, train, 
     model, x, t = Model(), torch.randn(128, 64), torch.rand(128, 1).expand(128, 64)
     measured = memplan.measure(step_fn(model, (x, t), train=train)).peak
     assert memplan.analyze(model, x, t, train=train).peak == measured
-    from memplan.analysis.peak import step_margin
-
     opt = memplan.optimize(model)
     step = step_fn(opt, (x, t), train=train)
     step()
