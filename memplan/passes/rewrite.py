@@ -25,6 +25,12 @@ eager's (up to summation order):
     the unexpanded computation. ``F.cosine_similarity(z[:, None], z[None], dim=-1)`` then never holds
     its ``(B, B, D)`` norms, quotients and product (see :class:`BroadcastProduct`).
 
+(d) **Oversized results.** A result whose storage, made by its own op, is at least twice its extent
+    (CPU reduced losses write the elementwise loss into the storage of their 0-d result; ``col2im`` keeps
+    one as large as its input) is cloned right after it and the clone read in its place, so the large
+    storage dies at once instead of when the result does (for a training loss: after the backward).
+    Kept only if the simulated peak does not rise (see :class:`OversizedResult`).
+
 Stages
 ------
 (1) Find patterns in the forward graph, from the graph's structure only:
@@ -91,11 +97,13 @@ import torch
 import torch.fx
 import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation
 from memplan.capture import CapturedGraph, Phase, _tag_backward_with_seq_nr
 from memplan.graphutil import mutated_args, packet_name
+from memplan.opschema import is_view_op
 from memplan.ops import grouped_addmm_
 from memplan.passes._chunk.graphs import (
     copy_graph,
@@ -108,7 +116,7 @@ from memplan.passes._chunk.graphs import (
 from memplan.passes._chunk.rules import Split
 from memplan.pipeline import PassContext, PassResult, PassStats, register_pass
 
-__all__ = ["BroadcastMatmul", "BroadcastProduct", "MatmulMax", "ScatterIntoZeros", "InterleavedSlices", "RewritePlan", "plan_rewrite", "apply_rewrite", "rewrite"]
+__all__ = ["BroadcastMatmul", "BroadcastProduct", "MatmulMax", "ScatterIntoZeros", "InterleavedSlices", "OversizedResult", "RewritePlan", "plan_rewrite", "apply_rewrite", "rewrite"]
 
 _VIEWS = {"view", "_unsafe_view", "reshape"}
 _CHAIN = _VIEWS | {"permute", "transpose", "t", "unsqueeze", "squeeze", "alias", "detach"}
@@ -217,7 +225,23 @@ class InterleavedSlices:
         return f"interleaved slice gradients {self.even}, {self.odd}: stacked"
 
 
-Rewrite = Union[BroadcastMatmul, MatmulMax, ScatterIntoZeros, InterleavedSlices, "BroadcastProduct"]
+@dataclasses.dataclass(frozen=True)
+class OversizedResult:
+    """A result that keeps a storage much larger than itself alive: CPU kernels of reduced losses
+    (``mse_loss``, ``binary_cross_entropy``, ...) write the elementwise loss into the storage they return
+    the scalar in, so a 0-d loss holds its whole input's worth of bytes for as long as it lives (in
+    training, until the backward is done). A ``clone`` right after it, read in its place, lets that
+    storage go at once; the copy is the size of the value."""
+
+    node: str
+    held: int  # bytes of the storage the result keeps alive
+    kept: int  # bytes of the clone
+
+    def __str__(self) -> str:
+        return f"oversized result {self.node}: cloned out of its {self.held}-byte storage ({self.kept} bytes kept)"
+
+
+Rewrite = Union[BroadcastMatmul, MatmulMax, ScatterIntoZeros, InterleavedSlices, OversizedResult, "BroadcastProduct"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,6 +341,43 @@ def _find_interleaved_slices(graph: CapturedGraph) -> list[InterleavedSlices]:
         else:
             if set(parts) == {0, 1} and parts[0][1:] == parts[1][1:]:
                 found.append(InterleavedSlices(node.name, parts[0][0].name, parts[1][0].name))
+    return found
+
+
+# A result is copied out of its storage when that storage is at least twice the copy and this many bytes
+# larger: below a page, the copy's dispatch costs more than the bytes are worth.
+_OVERSIZED_MIN_BYTES = 4096
+
+
+def _extent_bytes(value: torch.Tensor) -> int:
+    """Bytes a tensor's elements span in its storage, from its first element to its last."""
+    if value.numel() == 0:
+        return 0
+    last = sum((size - 1) * stride for size, stride in zip(value.shape, value.stride()))
+    return (last + 1) * value.element_size()
+
+
+def _find_oversized_results(graph: CapturedGraph) -> list[OversizedResult]:
+    """Nodes whose tensor result sits in a storage they made that is much larger than the result (see
+    :class:`OversizedResult`). Views, in-place ops and ``out=`` writers return a storage they did not make,
+    and are never taken; neither is an item of a tuple result (its op made the storage)."""
+    found = []
+    for node in graph.gm.graph.nodes:
+        value = node.meta.get("val")
+        if node.op != "call_function" or not isinstance(value, torch.Tensor) or value.is_sparse:
+            continue
+        if node.target is operator.getitem or is_view_op(node.target) or mutated_args(node) \
+                or value.storage_offset() != 0:
+            continue  # a tuple's item lives in its op's storage, which the other items may share
+        held = value.untyped_storage().nbytes()
+        kept = _extent_bytes(value)
+        if held < 2 * kept or held - kept < _OVERSIZED_MIN_BYTES:
+            continue
+        storage = StorageWeakRef(value.untyped_storage())
+        if any(isinstance(a.meta.get("val"), torch.Tensor) and StorageWeakRef(a.meta["val"].untyped_storage()) == storage
+               for a in node.all_input_nodes):
+            continue  # an alias of an argument after all
+        found.append(OversizedResult(node.name, held, kept))
     return found
 
 
@@ -1082,7 +1143,47 @@ def _pattern_nodes(pattern: Rewrite) -> set[str]:
         return {pattern.add, pattern.scatter, pattern.zeros}
     if isinstance(pattern, BroadcastProduct):
         return set(pattern.nodes)
+    if isinstance(pattern, OversizedResult):
+        return {pattern.node}
     return {pattern.add, pattern.even, pattern.odd}
+
+
+def _clone_oversized(graph: CapturedGraph, patterns: Sequence[OversizedResult], state: dict) -> list[OversizedResult]:
+    """Clone each oversized result out of its storage (see :class:`OversizedResult`); the clones are kept
+    only if they do not raise the graph's simulated peak (a clone made at the peak adds its bytes there)."""
+    def current() -> CapturedGraph:
+        return dataclasses.replace(graph, phases=dict(state["phases"]), sources=dict(state["sources"]),
+                                   seq_nr=dict(state["seq_nr"]), outputs=state["outputs"])
+
+    live = {n.name: n for n in graph.gm.graph.nodes}
+    patterns = [p for p in patterns if p.node in live]  # not erased by a region rewrite before
+    if not patterns:
+        return []
+    before, outputs = AnalysisManager(current()).get(PeakSimulation).peak, state["outputs"]
+    copies = [_clone_out(graph, live[p.node], state) for p in patterns]
+    if AnalysisManager(current()).get(PeakSimulation).peak <= before:
+        return list(patterns)
+    for pattern, copy in zip(patterns, copies):
+        copy.replace_all_uses_with(live[pattern.node])
+        graph.gm.graph.erase_node(copy)
+        for key in ("phases", "sources"):
+            state[key].pop(copy.name, None)
+    state["outputs"] = outputs
+    return []
+
+
+def _clone_out(graph: CapturedGraph, node: torch.fx.Node, state: dict) -> torch.fx.Node:
+    """Read a clone of ``node`` everywhere it was read (the graph's outputs included); return the clone."""
+    with graph.gm.graph.inserting_after(node):
+        copy = graph.gm.graph.call_function(torch.ops.aten.clone.default, (node,))
+    copy.meta["val"] = fake_call(torch.ops.aten.clone.default, (node,), {}, fake_mode_of(graph.gm.graph))
+    for key in ("phases", "sources"):
+        if node.name in state[key]:
+            state[key][copy.name] = state[key][node.name]
+    node.replace_all_uses_with(copy, delete_user_cb=lambda user: user is not copy)
+    state["outputs"] = tuple(dataclasses.replace(s, node=copy.name) if s.node == node.name else s
+                             for s in state["outputs"])
+    return copy
 
 
 def _replace_local(graph: CapturedGraph, pattern: Rewrite, state: dict) -> bool:
@@ -1135,7 +1236,7 @@ def plan_rewrite(graph: CapturedGraph) -> RewritePlan:
     found: list[Rewrite] = []
     taken: set[str] = set()
     patterns = [*_find_broadcast_matmuls(graph), *_find_matmul_max(graph), *_find_broadcast_products(graph)]
-    patterns += [*_find_scatter_into_zeros(graph), *_find_interleaved_slices(graph)]
+    patterns += [*_find_scatter_into_zeros(graph), *_find_interleaved_slices(graph), *_find_oversized_results(graph)]
     for pattern in patterns:
         nodes = _pattern_nodes(pattern)
         if nodes & taken:
@@ -1150,9 +1251,12 @@ def apply_rewrite(graph: CapturedGraph, plan: RewritePlan) -> tuple[CapturedGrap
     if not plan.rewrites:
         return graph, ()
     graph = copy_graph(graph)
-    state = {"phases": dict(graph.phases), "sources": dict(graph.sources), "seq_nr": dict(graph.seq_nr)}
-    done = []
+    state = {"phases": dict(graph.phases), "sources": dict(graph.sources), "seq_nr": dict(graph.seq_nr),
+             "outputs": graph.outputs}
+    done: list[Rewrite] = []
     for pattern in plan.rewrites:
+        if isinstance(pattern, OversizedResult):
+            continue  # last, on the graph the other rewrites leave
         current = dataclasses.replace(graph, phases=dict(state["phases"]), seq_nr=dict(state["seq_nr"]), sources=dict(state["sources"]))
         if isinstance(pattern, (ScatterIntoZeros, InterleavedSlices)):
             if _replace_local(current, pattern, state):
@@ -1175,6 +1279,7 @@ def apply_rewrite(graph: CapturedGraph, plan: RewritePlan) -> tuple[CapturedGrap
             anchor = pattern.reduce
         if _replace_region(current, region, inputs, outputs, fn, anchor, state):
             done.append(pattern)
+    done += _clone_oversized(graph, [p for p in plan.rewrites if isinstance(p, OversizedResult)], state)
     graph.gm.recompile()
     live = {n.name for n in graph.gm.graph.nodes}
     graph = dataclasses.replace(
@@ -1182,6 +1287,7 @@ def apply_rewrite(graph: CapturedGraph, plan: RewritePlan) -> tuple[CapturedGrap
         phases={k: v for k, v in state["phases"].items() if k in live},
         sources={k: v for k, v in state["sources"].items() if k in live},
         seq_nr={k: v for k, v in state["seq_nr"].items() if k in live},
+        outputs=state["outputs"],
     )
     return graph, tuple(done)
 

@@ -11,7 +11,9 @@ import memplan
 import memplan.examples as examples
 from memplan.capture import Phase, capture
 from memplan.graphutil import packet_name
+from memplan.measure import measure
 from memplan.passes.rewrite import BroadcastMatmul, BroadcastProduct, MatmulMax, apply_rewrite, plan_rewrite
+from memplan.steps import step_fn
 from memplan.testing import assert_equivalent, is_well_conditioned, random_model, zoo
 
 # The rewritten matmuls sum over the broadcast dimensions in another order than eager's reduction.
@@ -289,6 +291,64 @@ def test_scatter_with_several_indices_per_line_is_not_rewritten():
     model = ScatterWithDuplicates()
     x, src = torch.randn(3, 4, requires_grad=True), torch.randn(3, 2, requires_grad=True)
     assert not any(type(r).__name__ == "ScatterIntoZeros" for r in plan_rewrite(capture(model, x, src)).rewrites)
+
+
+# ----------------------------------------------------------------------------------------------
+# results that hold a larger storage than themselves
+
+
+class Regression(nn.Module):
+    """A linear layer trained with a reduced loss, whose CPU kernel writes the elementwise loss into the
+    storage it returns the scalar in."""
+
+    def __init__(self, loss):
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+        self.loss = loss
+
+    def forward(self, x, y):
+        return self.loss(self.fc(x), y)
+
+
+_REDUCED_LOSSES = {
+    "mse": nn.functional.mse_loss,
+    "smooth_l1": nn.functional.smooth_l1_loss,
+    "soft_margin": nn.functional.soft_margin_loss,
+    "bce": lambda a, b: nn.functional.binary_cross_entropy(a.sigmoid(), b),
+}
+
+
+@pytest.mark.parametrize("loss", sorted(_REDUCED_LOSSES))
+def test_a_reduced_loss_lets_its_elementwise_storage_go_before_the_backward(loss):
+    torch.manual_seed(0)
+    model, x, y = Regression(_REDUCED_LOSSES[loss]), torch.randn(512, 64), torch.rand(512, 64)
+    opt = memplan.optimize(model, passes="rewrite")
+    assert_equivalent(model, opt, x, y, rtol=0, atol=0)  # a copy of the loss: bit for bit
+    eager, planned = step_fn(model, (x, y), train=True), step_fn(opt, (x, y), train=True)
+    planned()
+    [note] = next(r.notes for r in opt.plan.records if r.name == "rewrite")
+    assert note.startswith("oversized result") and "(4 bytes kept)" in note
+    elementwise = x.numel() * x.element_size()
+    # the training peak is during the backward, which holds the loss's 4-byte copy instead
+    assert measure(planned).peak <= measure(eager).peak - elementwise + x.element_size()
+    assert opt.plan.planned_peak <= opt.plan.eager_peak - elementwise + x.element_size()  # and predicted so
+
+
+class Fold(nn.Module):
+    def forward(self, columns):
+        return nn.functional.fold(columns, (16, 16), 3, padding=1)
+
+
+def test_a_clone_that_would_raise_the_peak_is_not_kept():
+    # col2im's kernel keeps a storage as large as its input; cloning the returned result out of it would
+    # add the result's bytes where that storage peaks, and nothing is read after it
+    columns = torch.randn(2, 36, 256)
+    graph = capture(Fold(), columns, train=False)
+    assert [type(r).__name__ for r in plan_rewrite(graph).rewrites] == ["OversizedResult"]
+    new, done = apply_rewrite(graph, plan_rewrite(graph))
+    assert done == () and "clone" not in _ops(new, Phase.FORWARD)
+    opt = memplan.optimize(Fold(), passes="rewrite")
+    assert_equivalent(Fold(), opt, columns, rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------------------------------
