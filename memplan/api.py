@@ -141,7 +141,44 @@ def _user_stacklevel() -> int:
 VALUE_PLANS_WARNING = 8
 
 
-def _signature(model: Any, leaves: Sequence[Any], spec: pytree.TreeSpec) -> tuple:
+@dataclasses.dataclass(frozen=True)
+class _Walk:
+    """A module's submodules, parameters and buffers, as ``modules()``, ``parameters()`` and
+    ``buffers()`` give them (each once, in their order), gathered in one walk: every call of an
+    optimized module reads them to find its plan, and torch's generators walk the tree once each."""
+
+    modules: list[nn.Module]
+    parameters: list[torch.Tensor]
+    buffers: list[torch.Tensor]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "_Walk":
+        modules: list[nn.Module] = []
+        seen: set[int] = set()
+        stack = [model]
+        while stack:  # depth first, children in order, a module met again skipped with its subtree
+            module = stack.pop()
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            modules.append(module)
+            stack.extend(m for m in reversed(module._modules.values()) if m is not None)
+        return cls(modules, _members(modules, "_parameters"), _members(modules, "_buffers"))
+
+
+def _members(modules: Sequence[nn.Module], attribute: str) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for module in modules:
+        for value in getattr(module, attribute).values():
+            if value is not None and id(value) not in seen:
+                seen.add(id(value))
+                found.append(value)
+    return found
+
+
+def _signature(model: Any, leaves: Sequence[Any], spec: pytree.TreeSpec, walk: _Walk | None = None) -> tuple:
+    """The key of a call's plan; ``walk`` is the model's (:class:`_Walk`), when it is a module."""
     tensors = tuple(
         (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad, t.layout) if isinstance(t, torch.Tensor)
         else _static_key(t)
@@ -150,15 +187,19 @@ def _signature(model: Any, leaves: Sequence[Any], spec: pytree.TreeSpec) -> tupl
     params: tuple = ()
     state: tuple = ()
     if isinstance(model, nn.Module):
-        params = tuple((tuple(p.shape), p.dtype, p.device, p.requires_grad) for p in model.parameters())
-        params += tuple((tuple(b.shape), b.dtype, b.device) for b in model.buffers())
-        state = tuple(_module_state_key(m) for m in model.modules())
+        walk = walk if walk is not None else _Walk.of(model)
+        params = tuple((tuple(p.shape), p.dtype, p.device, p.requires_grad) for p in walk.parameters)
+        params += tuple((tuple(b.shape), b.dtype, b.device) for b in walk.buffers)
+        state = tuple(_module_state_key(m) for m in walk.modules)
     autocast = tuple((kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda") if torch.is_autocast_enabled(kind))
     return (spec, tensors, params, state, torch.is_grad_enabled(), autocast)
 
 
 # A module's attributes that hold its hooks: a hook registered after planning must be planned with.
 _HOOK_ATTRIBUTES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+# The attributes every module has (its parameters, buffers, submodules, hooks and mode): never a plain
+# value of the user's, so the key does not look at each of them on every call.
+_MODULE_ATTRIBUTES = frozenset(vars(nn.Module()))
 
 
 def _module_state_key(module: nn.Module) -> tuple:
@@ -167,13 +208,18 @@ def _module_state_key(module: nn.Module) -> tuple:
     False``, set after planning) and its hooks. A plan runs the graph, not the module's Python, so it
     would otherwise keep the values it was traced with."""
     values = vars(module)
-    plain = tuple((name, _static_key(value)) for name, value in values.items()
-                  if name != "training" and is_static_leaf(value))
-    # a plain tensor attribute (not a parameter or buffer) is a constant of the plan: another tensor
-    # assigned to it is planned again (one changed in place is read as it is)
-    tensors = tuple((name, _Identity(value)) for name, value in values.items() if isinstance(value, torch.Tensor))
+    plain, tensors = [], []
+    for name, value in values.items():
+        if name in _MODULE_ATTRIBUTES:
+            continue
+        if is_static_leaf(value):
+            plain.append((name, _static_key(value)))
+        elif isinstance(value, torch.Tensor):
+            # a plain tensor attribute (not a parameter or buffer) is a constant of the plan: another
+            # tensor assigned to it is planned again (one changed in place is read as it is)
+            tensors.append((name, _Identity(value)))
     hooks = tuple(tuple(values[name]) for name in _HOOK_ATTRIBUTES if values.get(name))
-    return (module.training, plain, tensors, hooks)
+    return (module.training, tuple(plain), tuple(tensors), hooks)
 
 
 class _Identity:
@@ -303,7 +349,8 @@ class OptimizedModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         original = self.original
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        key = _signature(original, leaves, spec)
+        walk = _Walk.of(original) if isinstance(original, nn.Module) else None
+        key = _signature(original, leaves, spec, walk)
         if key not in self._plans:
             self._warn_if_values_vary(key, (args, kwargs))
             try:
@@ -317,7 +364,7 @@ class OptimizedModule(nn.Module):
         self._last = plan
         if plan is None:
             return original(*args, **kwargs)
-        flat = self._flat_inputs(original, leaves)
+        flat = self._flat_inputs(leaves, walk)
         if plan.training:
             outputs = list(PlanFunction.apply(plan.emitted, *flat))
         else:
@@ -343,12 +390,10 @@ class OptimizedModule(nn.Module):
             )
 
     @staticmethod
-    def _flat_inputs(original: Any, leaves: Sequence[Any]) -> list[torch.Tensor]:
+    def _flat_inputs(leaves: Sequence[Any], walk: _Walk | None) -> list[torch.Tensor]:
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]  # plain values are in the plan
-        if isinstance(original, nn.Module):
-            params = [p for _, p in original.named_parameters(remove_duplicate=True)]
-            buffers = [b for _, b in original.named_buffers(remove_duplicate=True)]
-            return [*params, *buffers, *tensors]
+        if walk is not None:
+            return [*walk.parameters, *walk.buffers, *tensors]
         return tensors
 
 

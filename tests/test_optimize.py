@@ -73,6 +73,21 @@ def test_plan_is_cached_per_signature():
     assert opt.plans_built == 4
 
 
+def test_the_walk_behind_a_plans_key_sees_what_torchs_iterators_see():
+    from memplan.api import _Walk
+
+    shared = nn.Linear(4, 4, bias=False)
+    tied = nn.Sequential(shared, nn.BatchNorm1d(4), nn.Sequential(shared, nn.Linear(4, 4)), nn.Identity())
+    tied[2][1].weight = tied[0].weight  # a parameter shared by two modules
+    tied[2].register_buffer("scale", torch.ones(4))
+    tied[2].register_buffer("unset", None)
+    for model in (tied, *(entry.model for entry in zoo())):
+        walk = _Walk.of(model)
+        assert [id(m) for m in walk.modules] == [id(m) for m in model.modules()]
+        assert [id(p) for p in walk.parameters] == [id(p) for p in model.parameters()]
+        assert [id(b) for b in walk.buffers] == [id(b) for b in model.buffers()]
+
+
 def test_parameters_are_the_models_own_and_optimizers_work():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 2))
