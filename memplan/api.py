@@ -177,6 +177,22 @@ def _members(modules: Sequence[nn.Module], attribute: str) -> list[torch.Tensor]
     return found
 
 
+_PLAIN_TENSOR_TYPES = (torch.Tensor, nn.Parameter)
+_POSITIONAL_SPECS: dict[int, pytree.TreeSpec] = {}
+
+
+def _flatten_call(args: tuple, kwargs: dict) -> tuple[list[Any], pytree.TreeSpec]:
+    """``pytree.tree_flatten((args, kwargs))``, with a shortcut for the usual call (positional plain
+    tensors only), whose structure depends only on how many there are: pytree's walk costs more than
+    many small models' forward."""
+    if not kwargs and all(type(a) in _PLAIN_TENSOR_TYPES for a in args):
+        spec = _POSITIONAL_SPECS.get(len(args))
+        if spec is None:
+            spec = _POSITIONAL_SPECS[len(args)] = pytree.tree_flatten((tuple(range(len(args))), {}))[1]
+        return list(args), spec
+    return pytree.tree_flatten((args, kwargs))
+
+
 def _signature(model: Any, leaves: Sequence[Any], spec: pytree.TreeSpec, walk: _Walk | None = None) -> tuple:
     """The key of a call's plan; ``walk`` is the model's (:class:`_Walk`), when it is a module."""
     tensors = tuple(
@@ -348,7 +364,7 @@ class OptimizedModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         original = self.original
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+        leaves, spec = _flatten_call(args, kwargs)
         walk = _Walk.of(original) if isinstance(original, nn.Module) else None
         key = _signature(original, leaves, spec, walk)
         if key not in self._plans:
