@@ -542,6 +542,7 @@ def plan_timesteps(
     inputs = forward_inputs(graph)
     longest = max(s.loop.iterations for s in loops)
     cost, split = checkpoint_costs(longest, max(options.slots))
+    refused: list[float] = []  # overheads of the schedules the policy can never take
     for schedule in _schedules(loops, options, cost):
         groups = _groups(loops, schedule, split)
         copies = plan_copies(groups, inputs=inputs, backward=backward, units=facts.units)
@@ -551,8 +552,15 @@ def plan_timesteps(
                          recomputed=copies.recomputed, copies=copies, planned_on=simulation.names)
         overhead = extra / max(1, facts.total_flops)
         if not policy.may_take(overhead):
+            refused.append(overhead)
             continue  # never taken: not simulated
         candidates.append(Candidate(plan, simulation.step_peak(reads, copies), overhead, label))
+    if refused and len(candidates) == 1 + bool(reads):
+        # say why the steps are all kept: a user reads this in the plan's notes
+        candidates[0] = dataclasses.replace(candidates[0], label=(
+            f"keep every step: each of the {len(refused)} schedules recomputes more than max_overhead="
+            f"{policy.max_overhead:g} allows (the least +{min(refused):.1%} of the step's FLOPs); a budget or a "
+            "higher max_overhead lets the pass take one"))
 
     # Step 5 (end): the policy picks among the candidates no other beats on both counts.
     return policy.choose(pareto_front(candidates)), tuple(candidates), tuple(s.loop for s in loops)
@@ -572,7 +580,8 @@ def timesteps(graph: CapturedGraph, ctx: PassContext) -> PassResult:
     plan = chosen.plan
     found = "; ".join(str(loop) for loop in loops) or "no loop found"
     if not plan.changes:
-        return PassResult(graph, changed=False, plan=plan, notes=(found,))
+        notes = (found,) if not loops or chosen.label == plan.label else (found, chosen.label)
+        return PassResult(graph, changed=False, plan=plan, notes=notes)
     before = candidates[0].peak
     # Step 6: apply the chosen groups (and stack reads) with the remat engine.
     result = apply_remat(graph, plan)

@@ -260,6 +260,21 @@ class RandomLoop(nn.Module):
         return torch.stack(outs)
 
 
+def test_a_loop_left_whole_says_which_overhead_it_would_take():
+    opt = optimize(RNN.model, passes="timesteps", max_overhead=0.01)
+    opt(*RNN.inputs).sum().backward()
+    [record] = opt.plan.records
+    assert not record.changed
+    found, why = record.notes
+    assert found.startswith("loop of 11 steps")
+    least = float(why.split("(the least +")[1].split("%")[0]) / 100
+    assert why.startswith("keep every step: each of the") and "max_overhead=0.01" in why and least > 0.01
+    # and at that overhead the pass takes a schedule
+    taken = optimize(RNN.model, passes="timesteps", max_overhead=least + 0.001)
+    taken(*RNN.inputs).sum().backward()
+    assert taken.plan.records[0].changed
+
+
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), ops=st.integers(3, 8), steps=st.integers(4, 7), stack=st.booleans(),
        max_overhead=st.sampled_from([0.3, 10.0]))
