@@ -212,6 +212,10 @@ class CapturedGraph:
         return f"{op} at {source}" if source else op
 
 
+# in-place ops that Python assignment makes (``y[i] = v``, ``y[mask] = 0``): no out-of-place twin to name
+_ASSIGNMENTS = frozenset({"copy_", "fill_", "zero_", "index_put_", "_index_put_impl_"})
+
+
 def _op_name(node: torch.fx.Node) -> str:
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
@@ -513,7 +517,7 @@ def capture(
     except CaptureError:
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised as a domain error naming the user's line
-        raise _capture_error(model, exc) from exc
+        raise _capture_error(model, exc, tracer.graph, recorder.sources) from exc
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -894,7 +898,62 @@ def _tangent_placeholders(tracer: Tracer, outputs: list[torch.Tensor]) -> list[t
     return values
 
 
-def _capture_error(model: Any, exc: BaseException) -> CaptureError:
+# autograd's error when a value saved for the backward was written in place after it was saved
+_CLOBBERED = re.compile(r"modified by an inplace operation: \[\S+ \[([\d, ]*)\]\], which is output \d+ of (\w+), "
+                        r"is at version (\d+); expected version (\d+)")
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    packet = getattr(node.target, "overloadpacket", None)
+    return packet.__name__ if packet is not None else str(node.target)
+
+
+def _clobber_message(name: str, exc: BaseException, graph: torch.fx.Graph | None,
+                     sources: Mapping[str, SourceLine]) -> str | None:
+    """For autograd's "modified by an inplace operation" error: which op of the traced forward saved the
+    value and which in-place ops wrote into it afterwards, with the user's lines (None when the trace
+    does not say). The saver is the op autograd names (``ReluBackward0``: ``relu``/``relu_``) whose
+    result has the reported shape and whose storage later ops write in place."""
+    found = _CLOBBERED.search(str(exc))
+    if found is None or graph is None:
+        return None
+    shape = tuple(int(s) for s in found.group(1).split(",") if s.strip())
+    op = re.sub(r"Backward\d*$", "", found.group(2)).lower()
+    writes = int(found.group(3)) - int(found.group(4))
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    for i, node in enumerate(nodes):
+        value = node.meta.get("val")
+        if _op_name(node).rstrip("_").replace("_", "") != op or not isinstance(value, torch.Tensor) \
+                or tuple(value.shape) != shape:
+            continue
+        storage = _storage_key(value)
+        writers = [w for w in nodes[i + 1:] if any(
+            isinstance(t.meta.get("val"), torch.Tensor) and _storage_key(t.meta["val"]) == storage
+            for t in mutated_args(w))]
+        if not writers:
+            continue
+
+        def where(n: torch.fx.Node) -> str:
+            line = sources.get(n.name)
+            return f"`{_op_name(n)}` at {line}" if line is not None else f"`{_op_name(n)}`"
+
+        writers = writers[:max(writes, 1)]
+        first = _op_name(writers[0])
+        if first in _ASSIGNMENTS:
+            fix = "assign into a clone of the value (y = y.clone() before the assignment)"
+        else:
+            fix = (f"use the out-of-place `{first.rstrip('_')}` there instead of `{first}` "
+                   f"(y = y.{first.rstrip('_')}(...)), or write into a clone of the value")
+        return (
+            f"memplan cannot capture {name}: {where(node)} keeps its result for the backward, and "
+            f"{', '.join(where(w) for w in writers)} then {'writes' if len(writers) == 1 else 'write'} into it in "
+            f"place, so its gradient cannot be computed (eager's backward fails the same way). Fix: {fix}."
+        )
+    return None
+
+
+def _capture_error(model: Any, exc: BaseException, graph: torch.fx.Graph | None = None,
+                   sources: Mapping[str, SourceLine] | None = None) -> CaptureError:
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
@@ -907,6 +966,9 @@ def _capture_error(model: Any, exc: BaseException) -> CaptureError:
         library = f"in torch's {inner.filename}:{inner.lineno}: `{inner.code}`"
         at += f" ({library})" if where else f" {library}"
     data_dependent = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
+    clobbered = _clobber_message(name, exc, graph, sources or {}) if isinstance(exc, RuntimeError) else None
+    if clobbered is not None:
+        return CaptureError(clobbered)
     if isinstance(exc, RuntimeError) and "leaf Variable that requires grad is being used in an in-place" in str(exc):
         return CaptureError(
             f"{name} writes in place into an input that requires grad{at}. memplan cannot plan in-place "

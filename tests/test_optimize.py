@@ -355,6 +355,38 @@ class MutatesDifferentiable(nn.Module):
         return y
 
 
+class _ClobbersASavedValue(nn.Module):
+    def __init__(self, assign: bool):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.assign = assign
+
+    def forward(self, x):
+        h = torch.sigmoid(self.fc(x))  # saves its result for the backward
+        if self.assign:
+            h[:, :2] = 0
+        else:
+            h.mul_(2)
+        return (h * x).sum()
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_a_saved_value_written_in_place_names_both_lines_and_the_fix(assign):
+    import inspect
+
+    lines, first = inspect.getsourcelines(_ClobbersASavedValue.forward)
+    saver = first + next(i for i, line in enumerate(lines) if "torch.sigmoid" in line)
+    writer = first + next(i for i, line in enumerate(lines) if ("h[:, :2] = 0" if assign else "h.mul_(2)") in line)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _ClobbersASavedValue(assign)(torch.randn(4, 8)).backward()  # eager fails too
+    with pytest.raises(CaptureError) as info:
+        optimize(_ClobbersASavedValue(assign))(torch.randn(4, 8))
+    message = str(info.value)
+    assert f"`sigmoid` at test_optimize.py:{saver}" in message
+    assert f"test_optimize.py:{writer}" in message and "then writes into it in place" in message
+    assert ("assign into a clone" in message) if assign else ("out-of-place `mul` there instead of `mul_`" in message)
+
+
 def test_inplace_update_of_a_differentiable_input_is_a_clear_error():
     opt = optimize(MutatesDifferentiable(), passes="")
     x = torch.randn(3, requires_grad=True).clone()  # a non-leaf: eager allows the in-place add
