@@ -163,7 +163,25 @@ class _Walk:
             seen.add(id(module))
             modules.append(module)
             stack.extend(m for m in reversed(module._modules.values()) if m is not None)
+        if not all(map(_iterates_as_torch, {type(m) for m in modules})):
+            # a class of the user's lists its members its own way: capture asked it, so ask it too
+            return cls(list(model.modules()), [p for _, p in model.named_parameters(remove_duplicate=True)],
+                       [b for _, b in model.named_buffers(remove_duplicate=True)])
         return cls(modules, _members(modules, "_parameters"), _members(modules, "_buffers"))
+
+
+# nn.Module's methods that list a module's submodules, parameters and buffers (what :class:`_Walk` does)
+_ITERATORS = ("modules", "named_modules", "children", "named_children", "parameters", "named_parameters",
+              "buffers", "named_buffers", "_named_members")
+_TORCH_ITERATION: dict[type, bool] = {}
+
+
+def _iterates_as_torch(kind: type) -> bool:
+    """Whether the module class ``kind`` keeps nn.Module's own ways of listing its members."""
+    found = _TORCH_ITERATION.get(kind)
+    if found is None:
+        found = _TORCH_ITERATION[kind] = all(getattr(kind, name) is getattr(nn.Module, name) for name in _ITERATORS)
+    return found
 
 
 def _members(modules: Sequence[nn.Module], attribute: str) -> list[torch.Tensor]:

@@ -81,11 +81,23 @@ def test_the_walk_behind_a_plans_key_sees_what_torchs_iterators_see():
     tied[2][1].weight = tied[0].weight  # a parameter shared by two modules
     tied[2].register_buffer("scale", torch.ones(4))
     tied[2].register_buffer("unset", None)
-    for model in (tied, *(entry.model for entry in zoo())):
+    class Reversed(nn.Sequential):
+        def named_parameters(self, *args, **kwargs):  # lists its parameters its own way
+            return reversed(list(super().named_parameters(*args, **kwargs)))
+
+    own_order = Reversed(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    for model in (tied, own_order, *(entry.model for entry in zoo())):
         walk = _Walk.of(model)
         assert [id(m) for m in walk.modules] == [id(m) for m in model.modules()]
         assert [id(p) for p in walk.parameters] == [id(p) for p in model.parameters()]
         assert [id(b) for b in walk.buffers] == [id(b) for b in model.buffers()]
+    # and what capture reads through the model's own listing is what a call hands the plan (its
+    # parameters bound in the other order would not even have the right shapes)
+    x, reference = torch.randn(5, 3), copy.deepcopy(own_order)
+    optimize(own_order)(x).sum().backward()
+    reference(x).sum().backward()
+    for mine, theirs in zip(nn.Module.parameters(nn.Sequential(*own_order)), nn.Module.parameters(nn.Sequential(*reference))):
+        torch.testing.assert_close(mine.grad, theirs.grad)
 
 
 def test_parameters_are_the_models_own_and_optimizers_work():
