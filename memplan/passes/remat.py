@@ -138,6 +138,7 @@ __all__ = [
     "RematPlan",
     "node_flops",
     "graph_flops",
+    "module_flops",
     "VirtualSimulation",
     "step_margin",
     "plan_stack_reads",
@@ -290,6 +291,12 @@ class RematFacts:
                 if graph.phases.get(node.name) is not Phase.FORWARD:
                     continue
                 forward += flops
+            elif node.op == "call_module":
+                # a loop (a chunk loop) is one node to this pass, but its FLOPs are the graph's too: left
+                # out, the share of any recomputation would be priced against too small a whole. (The
+                # forward FLOPs, which scale the cuts' prices, stay those of the nodes the cuts see.)
+                total += module_flops(graph.gm.get_submodule(node.target))
+                continue
             elif node.op not in ("placeholder", "get_attr") or node.name in tangents:
                 continue
             else:
@@ -528,6 +535,13 @@ def node_flops(node: torch.fx.Node, tensors: Tensors | None = None) -> int:
     return flops
 
 
+def module_flops(module: torch.nn.Module) -> int:
+    """FLOPs of one call of a module a graph calls: a loop's (a chunk loop's :meth:`flops`, every chunk's
+    ops counted by :func:`node_flops`), 0 for a module that does not say."""
+    flops = getattr(module, "flops", None)
+    return int(flops(node_flops)) if callable(flops) else 0
+
+
 def _node_flops(node: torch.fx.Node) -> int:
     name = packet_name(node)
     if name in _MOVE_OPS:
@@ -574,9 +588,16 @@ def _is_view(node: torch.fx.Node, tensors: Tensors) -> bool:
 
 
 def graph_flops(graph: CapturedGraph, am: AnalysisManager | None = None) -> int:
-    """Estimated FLOPs of every ``call_function`` node of ``graph`` (see :func:`node_flops`)."""
+    """Estimated FLOPs of every op of ``graph`` (see :func:`node_flops`), the ops of its loops included
+    (see :func:`module_flops`)."""
     tensors = (am or AnalysisManager(graph)).get(Tensors)
-    return sum(node_flops(n, tensors) for n in graph.gm.graph.nodes if n.op == "call_function")
+    total = 0
+    for node in graph.gm.graph.nodes:
+        if node.op == "call_function":
+            total += node_flops(node, tensors)
+        elif node.op == "call_module":
+            total += module_flops(graph.gm.get_submodule(node.target))
+    return total
 
 
 # ----------------------------------------------------------------------------------------------

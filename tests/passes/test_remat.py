@@ -26,7 +26,9 @@ from memplan.passes.remat import (
     VirtualSimulation,
     _reaches_sink_after_max_flow,
     apply_remat,
+    graph_flops,
     min_cut,
+    module_flops,
     node_flops,
     pareto_front,
     plan_remat,
@@ -287,6 +289,23 @@ def test_the_virtual_simulation_counts_what_chunk_loops_read():
     for candidate in candidates:
         applied = apply_remat(copy_graph(chunked), candidate.plan)
         assert AnalysisManager(applied).get(PeakSimulation).peak + margin == candidate.peak, candidate.label
+
+
+def test_the_ops_of_chunk_loops_count_in_the_whole_a_recomputation_is_priced_against():
+    # remat sees a chunk loop as one node, but the loop runs every op of the region it replaced (and
+    # the recomputation in its backward): its FLOPs belong to the graph's total, or any recomputation
+    # after chunk is priced as a far larger share of the step than it is.
+    model, inputs = MixedHead(), (torch.randint(0, 1500, (4, 12)), torch.randint(0, 1500, (4, 12)))
+    graph = graph_of(model, inputs)
+    before = RematFacts.compute(graph, AnalysisManager(graph)).total_flops
+    chunked = PassManager("chunk", Policy(max_overhead=10.0)).run(graph_of(model, inputs)).graph
+    loops = [n for n in chunked.gm.graph.nodes if n.op == "call_module"]
+    assert loops
+    in_loops = sum(module_flops(chunked.gm.get_submodule(n.target)) for n in loops)
+    facts = RematFacts.compute(chunked, AnalysisManager(chunked))
+    assert in_loops > 0.5 * before  # the head is most of this model's work
+    assert facts.total_flops >= before  # the loops do what the region did, and recompute in the backward
+    assert facts.total_flops == graph_flops(chunked)
 
 
 def test_an_item_of_a_tuple_that_cannot_be_saved_is_recomputed_with_its_op():

@@ -515,6 +515,14 @@ class ChunkLoop(torch.nn.Module):
             return torch.minimum(acc, value, out=acc)
         raise ValueError(f"unknown combine {kind!r}")
 
+    def _lengths(self) -> dict[str, int]:
+        """How many chunks of each body length one run makes (every chunk but the last is full)."""
+        spec = self.spec
+        last = spec.units - (spec.chunks - 1) * spec.chunk
+        counts = {str(spec.chunk): spec.chunks - 1}
+        counts[str(last)] = counts.get(str(last), 0) + 1
+        return {length: times for length, times in counts.items() if times}
+
     def cost(self, rates: CostRates) -> float:
         """Estimated seconds of one run: every chunk's body plus ``rates.chunk_seconds`` per chunk."""
         per_length = {length: module_cost(body, rates) for length, body in self.bodies.items()}
@@ -522,6 +530,22 @@ class ChunkLoop(torch.nn.Module):
         for k in range(self.spec.chunks):
             length = min(self.spec.chunk, self.spec.units - k * self.spec.chunk)
             total += per_length[str(length)] + rates.chunk_seconds
+        return total
+
+    def flops(self, count: Callable[[torch.fx.Node], int]) -> int:
+        """FLOPs of one run: ``count`` of every op of every chunk's body (a nested loop by its own
+        :meth:`flops`). The passes after ``chunk`` see a loop as one node; this is what it computes."""
+        total = 0
+        for length, times in self._lengths().items():
+            body = self.bodies[length]
+            ops = 0
+            for node in body.graph.nodes:
+                if node.op == "call_function":
+                    ops += count(node)
+                elif node.op == "call_module":
+                    inner = body.get_submodule(node.target)
+                    ops += inner.flops(count) if isinstance(inner, ChunkLoop) else 0
+            total += times * ops
         return total
 
 
