@@ -1818,6 +1818,7 @@ def _plan(
             best = policy.choose(candidates)
         except InfeasibleBudgetError:
             best = min(candidates, key=lambda c: (c.peak, c.overhead, c.label))
+        best = _latest_of_equals(current, candidates, best)
         if best.plan is None or (best.peak > (1.0 - opts.min_gain) * base_peak and not over_budget):
             break
         chosen.append(best.plan)
@@ -1825,6 +1826,27 @@ def _plan(
         am = AnalysisManager(current)
         spent = best.overhead
     return ChunkPlan(tuple(chosen)), current
+
+
+def _latest_of_equals(graph: CapturedGraph, candidates: Sequence[Candidate], best: Candidate,
+                      rounding: float = 1e-9) -> Candidate:
+    """Among the candidates equal to ``best`` (the same peak and chunk count, overheads equal up to
+    float ``rounding``), the one whose region's forward ends latest in the graph.
+
+    Equal candidates come from repeated layers (the MLP of each block of a transformer): the policy
+    cannot tell them apart, and the tie would go to whichever label sorts first or to float noise in
+    the cost sums. In a training step the backward meets the regions in reverse, starting when the
+    most is held; a later region's chunked backward runs earlier, where the working set it frees is
+    added to more. (The transformer LM of ``benchmarks/``: its last block's MLP chunked, the plan
+    after remat peaks at 59.66 MiB; its first block's, chosen by rounding, 64.22 MiB.)"""
+    if best.plan is None:
+        return best
+    equal = [c for c in candidates if c.plan is not None and c.peak == best.peak and c.plan.chunks == best.plan.chunks
+             and abs(c.overhead - best.overhead) <= rounding * max(1.0, abs(best.overhead))]
+    if len(equal) < 2:
+        return best
+    position = {node.name: i for i, node in enumerate(graph.gm.graph.nodes)}
+    return max(equal, key=lambda c: (max((position[n] for n, _ in c.plan.forward), default=-1), c.label))
 
 
 @register_pass("chunk")
