@@ -1837,8 +1837,9 @@ def _latest_of_equals(graph: CapturedGraph, candidates: Sequence[Candidate], bes
     cannot tell them apart, and the tie would go to whichever label sorts first or to float noise in
     the cost sums. In a training step the backward meets the regions in reverse, starting when the
     most is held; a later region's chunked backward runs earlier, where the working set it frees is
-    added to more. (The transformer LM of ``benchmarks/``: its last block's MLP chunked, the plan
-    after remat peaks at 59.66 MiB; its first block's, chosen by rounding, 64.22 MiB.)"""
+    added to more. (The transformer LM of ``benchmarks/``: with its last two blocks' MLPs chunked,
+    the plan after remat peaks at 55.23 MiB; with the third's and the first's, which label order and
+    rounding chose, at 64.22 MiB.)"""
     if best.plan is None:
         return best
     equal = [c for c in candidates if c.plan is not None and c.peak == best.peak and c.plan.chunks == best.plan.chunks

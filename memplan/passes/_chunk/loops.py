@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -515,29 +515,24 @@ class ChunkLoop(torch.nn.Module):
             return torch.minimum(acc, value, out=acc)
         raise ValueError(f"unknown combine {kind!r}")
 
-    def _lengths(self) -> dict[str, int]:
-        """How many chunks of each body length one run makes (every chunk but the last is full)."""
-        spec = self.spec
-        last = spec.units - (spec.chunks - 1) * spec.chunk
-        counts = {str(spec.chunk): spec.chunks - 1}
-        counts[str(last)] = counts.get(str(last), 0) + 1
-        return {length: times for length, times in counts.items() if times}
+    def _chunk_lengths(self) -> Iterator[int]:
+        """The length of each chunk of one run, in order (every chunk but the last is full)."""
+        for k in range(self.spec.chunks):
+            yield min(self.spec.chunk, self.spec.units - k * self.spec.chunk)
 
     def cost(self, rates: CostRates) -> float:
         """Estimated seconds of one run: every chunk's body plus ``rates.chunk_seconds`` per chunk."""
         per_length = {length: module_cost(body, rates) for length, body in self.bodies.items()}
         total = 0.0
-        for k in range(self.spec.chunks):
-            length = min(self.spec.chunk, self.spec.units - k * self.spec.chunk)
+        for length in self._chunk_lengths():
             total += per_length[str(length)] + rates.chunk_seconds
         return total
 
     def flops(self, count: Callable[[torch.fx.Node], int]) -> int:
         """FLOPs of one run: ``count`` of every op of every chunk's body (a nested loop by its own
         :meth:`flops`). The passes after ``chunk`` see a loop as one node; this is what it computes."""
-        total = 0
-        for length, times in self._lengths().items():
-            body = self.bodies[length]
+        per_length = {}
+        for length, body in self.bodies.items():
             ops = 0
             for node in body.graph.nodes:
                 if node.op == "call_function":
@@ -545,8 +540,8 @@ class ChunkLoop(torch.nn.Module):
                 elif node.op == "call_module":
                     inner = body.get_submodule(node.target)
                     ops += inner.flops(count) if isinstance(inner, ChunkLoop) else 0
-            total += times * ops
-        return total
+            per_length[length] = ops
+        return sum(per_length[str(length)] for length in self._chunk_lengths())
 
 
 @dataclasses.dataclass(frozen=True)
