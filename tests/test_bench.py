@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import memplan.examples as examples
 from memplan.baselines import BASELINES, hand_written
-from memplan.bench import run_bench
+from memplan.bench import interleaved_medians, run_bench
 from memplan.cli import main
 from memplan.testing import assert_equivalent
 
@@ -46,3 +47,13 @@ def test_cli_json(capsys):
     assert main(["bench", "broadcast_matmul", "--mode", "train", "--repeats", "1", "--no-baselines", "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)["rows"]
     assert row["baseline_peak"] is None
+
+
+def test_each_function_is_timed_in_blocks_of_its_own_calls_after_an_untimed_one():
+    # A step's time depends on what the step before left (the heap, the caches): each block starts with
+    # an untimed call, so every timed call follows a call of the same function, as in a training loop.
+    calls = []
+    fns = [lambda name=name: calls.append(name) for name in "abc"]
+    medians = interleaved_medians(fns, 6, torch.device("cpu"), block=4)
+    assert len(medians) == 3
+    assert calls == list("aaaaabbbbbccccc" + "aaabbbccc")  # blocks of 4 then 2, each after one untimed call
