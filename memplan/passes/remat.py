@@ -700,11 +700,20 @@ def apply_stack_reads(editor: GraphEditor, reads: Sequence[StackRead]) -> int:
     graph = editor.graph
     by_name = {n.name: n for n in graph.gm.graph.nodes}
     position = {n.name: i for i, n in enumerate(graph.gm.graph.nodes)}
+
+    def position_of(node: torch.fx.Node) -> int:
+        # A slice made for one read can read another read's value (a stack grown by cat, step by step,
+        # is the value of the next step's read): numbered again, every node at once, when one is new.
+        # Insertions never reorder the nodes numbered before, so positions from one numbering compare.
+        if node.name not in position:
+            position.clear()
+            position.update((n.name, i) for i, n in enumerate(graph.gm.graph.nodes))
+        return position[node.name]
+
     made = 0
     for read in reads:
         value, stack = by_name[read.value], by_name[read.stack]
-        readers = sorted((u for u in value.users if editor.phases.get(u.name) is Phase.BACKWARD),
-                         key=lambda u: position[u.name])
+        readers = sorted((u for u in value.users if editor.phases.get(u.name) is Phase.BACKWARD), key=position_of)
         if not readers:
             continue
         first = readers[0]

@@ -308,6 +308,35 @@ def test_the_ops_of_chunk_loops_count_in_the_whole_a_recomputation_is_priced_aga
     assert facts.total_flops == graph_flops(chunked)
 
 
+class _AttentionOverAGrowingHistory(nn.Module):
+    """A cell attending over every state so far, kept in a history grown by ``cat`` step by step: each
+    step's history is both a stack its states are read back from and a value read back from the next."""
+
+    def __init__(self, width=32, steps=6):
+        super().__init__()
+        self.lin, self.steps = nn.Linear(width, width), steps
+
+    def forward(self, x):
+        h = x
+        history = h.unsqueeze(1)
+        for _ in range(self.steps):
+            scores = torch.sigmoid((history @ h.unsqueeze(-1)).squeeze(-1))
+            h = torch.tanh(self.lin((scores.unsqueeze(-1) * history).sum(1)))
+            history = torch.cat([history, h.unsqueeze(1)], 1)
+        return history.sum()
+
+
+def test_stack_reads_of_stacks_that_are_read_back_themselves():
+    # The slice made for one read was a new backward reader of the next read's value, with no position
+    # in the table numbered before the first insertion: KeyError from five steps on.
+    torch.manual_seed(0)
+    model, x = _AttentionOverAGrowingHistory(), torch.randn(16, 32, requires_grad=True)
+    opt = optimize(model)
+    assert_equivalent(model, opt, x)
+    assert any(r.name == "remat" and r.plan.stack_reads for r in opt.plan.records)
+    assert measure(step_fn(opt, (x,), train=True)).peak <= measure(step_fn(model, (x,), train=True)).peak
+
+
 def test_an_item_of_a_tuple_that_cannot_be_saved_is_recomputed_with_its_op():
     # Attention returns (output, log-sum-exp) as one tuple, which the emitted code cannot save: a plan
     # recomputing one item recomputes the op too, and every candidate plan runs and is equivalent.
