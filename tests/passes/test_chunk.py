@@ -666,6 +666,36 @@ class _CentredBlocks(nn.Module):
         return x
 
 
+class _PaddedHead(nn.Module):
+    def __init__(self, width=64, vocab=500):
+        super().__init__()
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, x, targets, weight=None):
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten(), weight=weight)
+
+
+def test_a_chunk_of_ignored_targets_only_adds_nothing_to_a_mean_loss():
+    # A chunk's mean NLL is its sum over its total weight: 0/0 for a sequence of padding only (or of
+    # classes of weight 0), and nan times 0 made the whole loss nan while eager's skips those rows.
+    torch.manual_seed(0)
+    model, x = _PaddedHead(), torch.randn(4, 32, 64, requires_grad=True)
+    targets = torch.randint(0, 500, (4, 32))
+    targets[3] = -100  # the last sequence is padding
+    weight = torch.ones(500)
+    weight[targets[1]] = 0  # and the second one's classes weigh nothing
+    options = {"chunk.counts": (4,)}  # a chunk per sequence
+    for kwargs in ({}, {"weight": weight}):
+        opt = memplan.optimize(model, passes="chunk", options=options)
+        assert_equivalent(model, opt, x, targets, kwargs=kwargs)
+        assert any(n.op == "call_module" for n in opt.plan.graph.gm.graph.nodes)  # the loss runs in a loop
+        with torch.no_grad():  # the inference plan
+            planned = memplan.optimize(model, passes="chunk", options=options)(x, targets, **kwargs)
+            torch.testing.assert_close(planned, model(x, targets, **kwargs))
+    with torch.no_grad():  # every target ignored: nan, as eager gives
+        assert memplan.optimize(model, passes="chunk", options=options)(x, torch.full_like(targets, -100)).isnan()
+
+
 def test_of_regions_the_policy_cannot_tell_apart_the_latest_is_chunked():
     # The tie went to whichever label sorted first (or to rounding in the cost sums). In training the
     # backward meets a later block first, while the most is held: its region is the one to chunk.

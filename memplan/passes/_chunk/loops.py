@@ -496,7 +496,11 @@ class ChunkLoop(torch.nn.Module):
         if kind == "first":
             return value if acc is None else acc
         if kind == "nll_mean":
-            value = value * outs[out.partner]  # the partner's chunk value (same tensor as its twin's)
+            # the chunk's mean times its total weight (the partner's chunk value, the same tensor as its
+            # twin's) is its sum; a chunk of ignored targets only (or of weight-0 classes) has mean 0/0,
+            # and its sum is 0, not nan
+            weight = outs[out.partner]
+            value = (value * weight).masked_fill(weight == 0, 0)
             kind = "sum"
         if kind == "mean":
             weight = length / self.spec.units
