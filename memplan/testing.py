@@ -171,7 +171,8 @@ def _run_with_grads(
         torch.Tensor, lambda t: t.detach().clone().requires_grad_(t.requires_grad), (tuple(inputs), dict(kwargs))
     )
     torch.manual_seed(seed)
-    out = model(*call[0], **call[1])
+    with torch.set_grad_enabled(grad):  # without gradients, the call an inference loop makes (no_grad)
+        out = model(*call[0], **call[1])
     flat = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
     if not grad:
         return [t.detach() for t in flat], []
@@ -200,7 +201,8 @@ def assert_equivalent(
     """Assert that two models give the same outputs and the same gradients.
 
     Both run on fresh copies of ``inputs`` (and of the keyword arguments ``kwargs``) under the same RNG
-    seed; gradients are taken with respect to every tensor argument that requires grad and every
+    seed; with ``grad=False`` under ``torch.no_grad()``, as inference runs (an optimized module then runs
+    its inference plan), and only the outputs are compared. Otherwise gradients are taken with respect to every tensor argument that requires grad and every
     parameter of each model (in ``parameters()`` order, so an
     optimized module must expose the original's parameters, as memplan's do), with the same random
     upstream gradient. Raises ``AssertionError`` naming the first output or gradient that differs.

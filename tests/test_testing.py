@@ -57,3 +57,22 @@ def test_assert_equivalent_passes_keyword_arguments_and_names_the_leaf_that_diff
     with pytest.raises(AssertionError, match=r"gradient of kwargs\['weight'\] differs"):
         assert_equivalent(model, wrong_gradient, x, kwargs={"weight": weight})
     assert x.grad is None and weight.grad is None  # the caller's tensors are copied, not used
+
+
+def test_assert_equivalent_without_gradients_compares_what_inference_runs():
+    # An optimized module plans a call under no_grad apart from one with gradients (the inference plan);
+    # grad=False ran the models with gradients on, so it never compared the inference plan.
+    class OffInInference(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, inputs):
+            return self.inner(inputs) + (0.0 if torch.is_grad_enabled() else 1.0)
+
+    torch.manual_seed(0)
+    model, x = nn.Linear(4, 3), torch.randn(5, 4)
+    off_in_inference = OffInInference(model)
+    assert_equivalent(model, off_in_inference, x)
+    with pytest.raises(AssertionError, match="output 0 differs"):
+        assert_equivalent(model, off_in_inference, x, grad=False)
