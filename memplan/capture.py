@@ -949,6 +949,42 @@ def _clobber_message(name: str, exc: BaseException, graph: torch.fx.Graph | None
             f"{', '.join(where(w) for w in writers)} then {'writes' if len(writers) == 1 else 'write'} into it in "
             f"place, so its gradient cannot be computed (eager's backward fails the same way). Fix: {fix}."
         )
+    return _clobbered_input_message(name, op, shape, nodes, sources)
+
+
+def _clobbered_input_message(name: str, op: str, shape: tuple[int, ...], nodes: list[torch.fx.Node],
+                             sources: Mapping[str, SourceLine]) -> str | None:
+    """The other case of :func:`_clobber_message`: the op autograd names is the in-place write itself
+    (the written tensor's history now ends in it), and the value was saved by an op that read it
+    before (``g = gelu(h); h += 1``: gelu keeps its input). Names the write and the ops that read the
+    value before it, with the user's lines."""
+    for i, node in enumerate(nodes):
+        written = mutated_args(node)
+        if not written or _op_name(node).rstrip("_").replace("_", "") != op:
+            continue
+        value = written[0].meta.get("val")
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+            continue
+        storage = _storage_key(value)
+        readers = [r for r in nodes[:i] if not mutated_args(r) and not is_view_op(r.target) and any(
+            isinstance(a.meta.get("val"), torch.Tensor) and _storage_key(a.meta["val"]) == storage
+            for a in r.all_input_nodes)]
+        if not readers:
+            continue
+
+        def where(n: torch.fx.Node) -> str:
+            line = sources.get(n.name)
+            return f"`{_op_name(n)}` at {line}" if line is not None else f"`{_op_name(n)}`"
+
+        write = _op_name(node)
+        readers = readers[-2:]
+        return (
+            f"memplan cannot capture {name}: {where(node)} writes in place into a value that "
+            f"{' and '.join(where(r) for r in readers)} read before, and autograd keeps that value for the "
+            f"backward, so its gradient cannot be computed (eager's backward fails the same way). Fix: use "
+            f"the out-of-place `{write.rstrip('_')}` there instead of `{write}` (y = y.{write.rstrip('_')}(...)), "
+            "or write into a clone of the value."
+        )
     return None
 
 

@@ -399,6 +399,35 @@ def test_a_saved_value_written_in_place_names_both_lines_and_the_fix(assign):
     assert ("assign into a clone" in message) if assign else ("out-of-place `mul` there instead of `mul_`" in message)
 
 
+class _ClobbersASavedInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        g = torch.nn.functional.gelu(h)  # saves its input for the backward
+        h += 1
+        return (g * h).sum()
+
+
+def test_an_input_saved_by_an_op_and_written_in_place_after_names_both_lines_and_the_fix():
+    # autograd then names the in-place op itself (the written tensor's history ends in it), not the saver
+    import inspect
+
+    lines, first = inspect.getsourcelines(_ClobbersASavedInput.forward)
+    reader = first + next(i for i, line in enumerate(lines) if "gelu" in line)
+    writer = first + next(i for i, line in enumerate(lines) if "h += 1" in line)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _ClobbersASavedInput()(torch.randn(4, 8)).backward()  # eager fails too
+    with pytest.raises(CaptureError) as info:
+        optimize(_ClobbersASavedInput())(torch.randn(4, 8))
+    message = str(info.value)
+    assert f"`add_` at test_optimize.py:{writer}" in message
+    assert f"`gelu` at test_optimize.py:{reader}" in message
+    assert "out-of-place `add` there instead of `add_`" in message
+
+
 def test_inplace_update_of_a_differentiable_input_is_a_clear_error():
     opt = optimize(MutatesDifferentiable(), passes="")
     x = torch.randn(3, requires_grad=True).clone()  # a non-leaf: eager allows the in-place add
