@@ -908,6 +908,12 @@ def _op_name(node: torch.fx.Node) -> str:
     return packet.__name__ if packet is not None else str(node.target)
 
 
+def _op_at(node: torch.fx.Node, sources: Mapping[str, SourceLine]) -> str:
+    """The op of ``node`` and the user's line that called it, when the trace recorded one."""
+    line = sources.get(node.name)
+    return f"`{_op_name(node)}` at {line}" if line is not None else f"`{_op_name(node)}`"
+
+
 def _clobber_message(name: str, exc: BaseException, graph: torch.fx.Graph | None,
                      sources: Mapping[str, SourceLine]) -> str | None:
     """For autograd's "modified by an inplace operation" error: which op of the traced forward saved the
@@ -932,11 +938,6 @@ def _clobber_message(name: str, exc: BaseException, graph: torch.fx.Graph | None
             for t in mutated_args(w))]
         if not writers:
             continue
-
-        def where(n: torch.fx.Node) -> str:
-            line = sources.get(n.name)
-            return f"`{_op_name(n)}` at {line}" if line is not None else f"`{_op_name(n)}`"
-
         writers = writers[:max(writes, 1)]
         first = _op_name(writers[0])
         if first in _ASSIGNMENTS:
@@ -944,10 +945,11 @@ def _clobber_message(name: str, exc: BaseException, graph: torch.fx.Graph | None
         else:
             fix = (f"use the out-of-place `{first.rstrip('_')}` there instead of `{first}` "
                    f"(y = y.{first.rstrip('_')}(...)), or write into a clone of the value")
+        written_by = ", ".join(_op_at(w, sources) for w in writers)
         return (
-            f"memplan cannot capture {name}: {where(node)} keeps its result for the backward, and "
-            f"{', '.join(where(w) for w in writers)} then {'writes' if len(writers) == 1 else 'write'} into it in "
-            f"place, so its gradient cannot be computed (eager's backward fails the same way). Fix: {fix}."
+            f"memplan cannot capture {name}: {_op_at(node, sources)} keeps its result for the backward, and "
+            f"{written_by} then {'writes' if len(writers) == 1 else 'write'} into it in place, so its gradient "
+            f"cannot be computed (eager's backward fails the same way). Fix: {fix}."
         )
     return _clobbered_input_message(name, op, shape, nodes, sources)
 
@@ -971,17 +973,13 @@ def _clobbered_input_message(name: str, op: str, shape: tuple[int, ...], nodes: 
             for a in r.all_input_nodes)]
         if not readers:
             continue
-
-        def where(n: torch.fx.Node) -> str:
-            line = sources.get(n.name)
-            return f"`{_op_name(n)}` at {line}" if line is not None else f"`{_op_name(n)}`"
-
         write = _op_name(node)
         readers = readers[-2:]
+        read_by = " and ".join(_op_at(r, sources) for r in readers)
         return (
-            f"memplan cannot capture {name}: {where(node)} writes in place into a value that "
-            f"{' and '.join(where(r) for r in readers)} read before, and autograd keeps that value for the "
-            f"backward, so its gradient cannot be computed (eager's backward fails the same way). Fix: use "
+            f"memplan cannot capture {name}: {_op_at(node, sources)} writes in place into a value that "
+            f"{read_by} read before, and autograd keeps that value for the backward, so its gradient "
+            f"cannot be computed (eager's backward fails the same way). Fix: use "
             f"the out-of-place `{write.rstrip('_')}` there instead of `{write}` (y = y.{write.rstrip('_')}(...)), "
             "or write into a clone of the value."
         )
