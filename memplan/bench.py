@@ -150,7 +150,9 @@ def _seconds(fn: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def interleaved_medians(fns: list[Callable[[], Any]], repeats: int, device: torch.device, block: int = 4) -> list[float]:
+def interleaved_medians(
+    fns: list[Callable[[], Any]], repeats: int, device: torch.device, block: int = 4
+) -> list[float]:
     """Median seconds of each function over ``repeats`` timed calls, taken in alternating blocks of up to
     ``block`` consecutive calls, each block after one untimed call.
 

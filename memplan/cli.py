@@ -154,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--size", choices=("small", "full"), default="small", help="CPU defaults or the reports' full sizes")
     bench.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     bench.add_argument("--mode", choices=("train", "infer", "both"), default="both")
-    bench.add_argument("--repeats", type=int, default=5, help="timed repetitions per row (median of alternating blocks of consecutive steps)")
+    bench.add_argument("--repeats", type=int, default=5,
+                       help="timed repetitions per row (median of alternating blocks of consecutive steps)")
     bench.add_argument("--passes", default="default", help='memplan pipeline to compare with eager ("default", "" or e.g. "remat,inplace")')
     bench.add_argument("--eager-only", action="store_true", help="measure and predict eager only")
     bench.add_argument("--no-baselines", action="store_true",

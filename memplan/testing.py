@@ -202,10 +202,10 @@ def assert_equivalent(
 
     Both run on fresh copies of ``inputs`` (and of the keyword arguments ``kwargs``) under the same RNG
     seed; with ``grad=False`` under ``torch.no_grad()``, as inference runs (an optimized module then runs
-    its inference plan), and only the outputs are compared. Otherwise gradients are taken with respect to every tensor argument that requires grad and every
-    parameter of each model (in ``parameters()`` order, so an
-    optimized module must expose the original's parameters, as memplan's do), with the same random
-    upstream gradient. Raises ``AssertionError`` naming the first output or gradient that differs.
+    its inference plan), and only the outputs are compared. Otherwise gradients are taken with respect
+    to every tensor argument that requires grad and every parameter of each model (in ``parameters()``
+    order, so an optimized module must expose the original's parameters, as memplan's do), with the same
+    random upstream gradient. Raises ``AssertionError`` naming the first output or gradient that differs.
 
     Examples
     --------
