@@ -624,3 +624,33 @@ def test_fold_gradient_is_counted_at_the_storage_its_kernel_keeps():
     assert memplan.analyze(model, x).peak == measured
     with pytest.raises(memplan.InfeasibleBudgetError):
         memplan.optimize(model, budget=int(0.7 * measured))(x)
+
+
+class _SelfAttention(nn.Module):
+    def __init__(self, need_weights):
+        super().__init__()
+        self.attention, self.need_weights = nn.MultiheadAttention(32, 4, batch_first=True), need_weights
+
+    def forward(self, x, padding):
+        return self.attention(x, x, x, need_weights=self.need_weights, key_padding_mask=padding)[0]
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_attention_in_inference_is_captured_as_the_fused_kernel_eager_runs(need_weights):
+    # Asked whether make_fx traces, nn.MultiheadAttention skips its fused inference kernel: the plan was
+    # of the decomposed path, at 3-6x eager's peak, and analyze predicted that program, not eager's.
+    from memplan.measure import measure
+
+    torch.manual_seed(0)
+    model, x = _SelfAttention(need_weights).eval(), torch.randn(4, 16, 32)
+    padding = torch.zeros(4, 16, dtype=torch.bool)
+    padding[:, 12:] = True
+    graph = capture(model, x, padding, train=False)
+    ops = {packet_name(n) for n in graph.gm.graph.nodes if n.op == "call_function"}
+    assert "_native_multi_head_attention" in ops and not ops & {"bmm", "baddbmm", "_softmax"}
+    opt = optimize(model)
+    with torch.no_grad():
+        eager = measure(lambda: model(x, padding)).peak
+        torch.testing.assert_close(opt(x, padding), model(x, padding))
+        assert measure(lambda: opt(x, padding)).peak == eager
+    assert memplan.analyze(model, x, padding, train=False).peak == eager

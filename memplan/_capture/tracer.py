@@ -34,8 +34,9 @@ tensor argument. Those take :meth:`Tracer._slow`, which follows make_fx's ``prox
 and a data-dependent scalar (``x.sum().item()``) becomes a node that later ops take as an argument.
 
 While the traced code runs, a ProxyTorchDispatchMode that never sees an op sits on the mode stack and fx's
-tracing flag is set, so library code that asks whether make_fx is tracing (``nn.MultiheadAttention``'s fused
-inference path, checkpointing, dynamo) takes the branch it takes under make_fx.
+tracing flag is set, so library code that asks whether make_fx is tracing (checkpointing, dynamo) takes the
+branch it takes under make_fx; ``nn.MultiheadAttention`` alone is told it is not traced, so that it runs the
+fused inference kernel eager runs.
 
 What make_fx does that the tracer does not: symbolic shapes, pre-dispatch tracing, decomposition tables,
 higher-order operators (``torch.cond``), recording arithmetic on data-dependent scalars (the scalar's node is
@@ -207,6 +208,27 @@ def create_node(graph: torch.fx.Graph, op: str, target: Any, args: tuple, kwargs
     return node
 
 
+@contextlib.contextmanager
+def _eager_attention_path() -> Iterator[None]:
+    """``nn.MultiheadAttention`` answers as it does in eager whether to run its fused kernel.
+
+    In eval mode without gradients, eager runs ``aten._native_multi_head_attention``, one op; asked
+    whether make_fx is tracing (a proxy mode on the stack, as in a trace), the module runs its
+    decomposed path instead: another program, 3-6x eager's peak, which a plan would then be made of
+    and predicted from. The fused op has a fake kernel and is traced like any op."""
+    import torch.nn.modules.activation as activation
+
+    asked = getattr(activation, "_is_make_fx_tracing", None)
+    if asked is None:  # a torch without the check: nothing to answer
+        yield
+        return
+    activation._is_make_fx_tracing = lambda: False
+    try:
+        yield
+    finally:
+        activation._is_make_fx_tracing = asked
+
+
 class Tracer(TorchDispatchMode):
     """Records every aten op run on its fake tensors into :attr:`graph`.
 
@@ -249,6 +271,7 @@ class Tracer(TorchDispatchMode):
         self._entered = 0
         self._fx_tracing = False
         self._dormant: TorchDispatchMode | None = None
+        self._attention_check: contextlib.AbstractContextManager | None = None
         #: Calls whose outputs the fake mode computed (not made from a recipe, nor by a view kernel).
         self.fake_runs = 0
 
@@ -317,12 +340,13 @@ class Tracer(TorchDispatchMode):
         return False
 
     def __enter__(self) -> Tracer:
-        # Library code asks whether make_fx is tracing (nn.MultiheadAttention skips its fused inference
-        # kernel then, checkpoint changes how it caches): a ProxyTorchDispatchMode on the stack while the
-        # traced code runs gives make_fx's answer. It never sees an op: each op reaches the tracer first,
-        # which takes the proxy mode off the stack until the op is recorded. fx's tracing flag is set as
-        # make_fx's tracer sets it: dynamo refuses to compile inside a trace (a torch.compile'd model
-        # raises, as under make_fx).
+        # Library code asks whether make_fx is tracing (checkpoint changes how it caches): a
+        # ProxyTorchDispatchMode on the stack while the traced code runs gives make_fx's answer. It never
+        # sees an op: each op reaches the tracer first, which takes the proxy mode off the stack until the
+        # op is recorded. fx's tracing flag is set as make_fx's tracer sets it: dynamo refuses to compile
+        # inside a trace (a torch.compile'd model raises, as under make_fx). One question gets eager's
+        # answer instead: nn.MultiheadAttention's, which would skip its fused inference kernel for
+        # make_fx (see _eager_attention_path).
         self._entered += 1
         if self._entered == 1:
             self._fx_tracing = _fx_trace._is_fx_tracing_flag
@@ -332,6 +356,8 @@ class Tracer(TorchDispatchMode):
 
                 self._dormant = ProxyTorchDispatchMode(PythonKeyTracer(), "fake")
                 self._dormant.__enter__()
+            self._attention_check = _eager_attention_path()
+            self._attention_check.__enter__()
         return super().__enter__()
 
     def __exit__(self, exc_type, exc_value, traceback):
@@ -344,6 +370,9 @@ class Tracer(TorchDispatchMode):
                 if self._dormant is not None:
                     self._dormant.__exit__(exc_type, exc_value, traceback)
                     self._dormant = None
+                if self._attention_check is not None:
+                    self._attention_check.__exit__(exc_type, exc_value, traceback)
+                    self._attention_check = None
 
     # ------------------------------------------------------------------------------------------
     # dispatch
