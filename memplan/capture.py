@@ -314,6 +314,25 @@ def _check_leaves(leaves: Sequence[Any], paths: Sequence[str]) -> None:
             )
 
 
+def _check_requires_grad_unchanged(model: Any, traced: Sequence[torch.Tensor], given: Sequence[torch.Tensor],
+                                   paths: Sequence[str]) -> None:
+    """Raise :class:`CaptureError` when the forward turned gradients of an input on or off
+    (``x.requires_grad_()`` inside ``forward``, as energy-based and score-matching code does): the
+    plan's gradients are the inputs' as they are passed in, so it would not give the one autograd
+    gives eager. ``requires_grad_`` is no op of the trace, so there is no line to name: the input is."""
+    for tensor, leaf, path in zip(traced, given, paths):
+        if tensor.requires_grad != leaf.requires_grad:
+            name = type(model).__name__ if isinstance(model, nn.Module) else getattr(model, "__qualname__", repr(model))
+            now = "on" if tensor.requires_grad else "off"
+            raise CaptureError(
+                f"{name}'s forward turns gradients {now} for its input {path} (requires_grad was "
+                f"{leaf.requires_grad} when it was passed in). memplan plans a training step from the inputs "
+                f"as they are passed in, so its gradients would not be the ones autograd gives eager. Fix: set "
+                f"requires_grad on {path} before calling the model (where the batch is made), or pass "
+                'fallback="eager" to memplan.optimize to run it unplanned.'
+            )
+
+
 def leaf_paths(tree: Any) -> list[str]:
     """``["args[0]", "kwargs['mask']"]``: the path of each leaf of the ``(args, kwargs)`` pair ``tree``."""
     flat_with_path, _ = pytree.tree_flatten_with_path(tree)
@@ -456,6 +475,9 @@ def capture(
 
     def traced_steps(flat: Sequence[torch.Tensor]) -> list[Any]:
         out = call_model(flat)
+        if train:
+            _check_requires_grad_unchanged(model, flat[n_params + n_buffers : n_params + n_buffers + n_user],
+                                           user_leaves, tensor_paths)
         flat_out, out_spec = pytree.tree_flatten(out)
         out_spec_box["spec"] = out_spec
         out_spec_box["differentiable"] = [isinstance(t, torch.Tensor) and t.requires_grad for t in flat_out]

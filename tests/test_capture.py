@@ -656,3 +656,24 @@ def test_attention_in_inference_is_captured_as_the_fused_kernel_eager_runs(need_
         torch.testing.assert_close(opt(x, padding), model(x, padding))
         assert measure(lambda: opt(x, padding)).peak == eager
     assert memplan.analyze(model, x, padding, train=False).peak == eager
+
+
+class _TurnsOnInputGradients(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 1)
+
+    def forward(self, x):
+        x.requires_grad_(True)  # as energy-based and score-matching code does
+        return self.linear(x).sum()
+
+
+def test_a_forward_turning_on_gradients_of_its_input_is_refused_naming_the_input_and_the_fix():
+    # The plan's gradients are the inputs' as passed in: one more gradient than planned was an IndexError.
+    x = torch.randn(2, 4)
+    with pytest.raises(CaptureError, match=r"turns gradients on for its input args\[0\].*before calling the model"):
+        optimize(_TurnsOnInputGradients())(x)
+    assert not x.requires_grad  # the trace ran on a copy
+    model = _TurnsOnInputGradients()
+    with torch.no_grad():  # without gradients the flag changes nothing a plan computes
+        torch.testing.assert_close(optimize(model)(x), model(x.clone()))
