@@ -843,10 +843,15 @@ def _check_module_state(model: Any, before: list[tuple[nn.Module, str, Any, Any]
     # Step 1: put back what the trace changed (a reassigned buffer is put back by the substitution).
     known = {(id(module), attribute): (value, copy) for module, attribute, value, copy in before}
     kept = []
+    hooked = None  # (attribute's path, torch's forward pre-hook of its module) of the first kept one
     for path, module in model.named_modules():
         for attribute, value in list(vars(module).items()):
             if attribute not in _MODULE_INTERNALS and _holds_fake(value, mode):
                 kept.append(f"{path}.{attribute}" if path else attribute)
+                torch_hooks = [h for h in module._forward_pre_hooks.values()
+                               if getattr(type(h), "__module__", "").startswith("torch.")]
+                if torch_hooks and hooked is None:
+                    hooked = (kept[-1], torch_hooks[0])
                 old = known.get((id(module), attribute))
                 if old is None:
                     delattr(module, attribute)
@@ -870,6 +875,18 @@ def _check_module_state(model: Any, before: list[tuple[nn.Module, str, Any, Any]
                 f"place (self.{attribute}.add_(1), or self.{attribute}.copy_(new_value)), which memplan plans; "
                 'or pass fallback="eager" to memplan.optimize to run this model eagerly.'
             )
+    if hooked is not None:
+        path, hook = hooked
+        api = type(hook).__module__.rpartition(".")[2]  # weight_norm, spectral_norm
+        replacement = (f"use torch.nn.utils.parametrizations.{api} instead, which memplan plans (the same "
+                       "reparametrization, done as a parametrization); or "
+                       if api in ("weight_norm", "spectral_norm") else "")
+        raise CaptureError(
+            f"{name}: attribute '{path}' is set on every call by torch's forward pre-hook {type(hook).__name__} "
+            f"(torch.nn.utils.{api}, the hook-based API). A plan runs the traced graph, not the hooks' Python, "
+            f"so that attribute would never be set again. Fix: {replacement}pass fallback=\"eager\" to "
+            "memplan.optimize to run this model eagerly."
+        )
     if kept:
         raise CaptureError(
             f"{name} keeps a tensor its forward computed on the module (attribute '{kept[0]}'). A plan runs "

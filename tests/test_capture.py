@@ -528,6 +528,29 @@ def test_state_kept_on_the_module_by_python_assignment_is_refused_and_left_as_it
     torch.testing.assert_close(state(model), state(reference))
 
 
+class _HookNormalised(nn.Module):
+    def __init__(self, normalise):
+        super().__init__()
+        with warnings.catch_warnings():  # the hook-based API is deprecated
+            warnings.simplefilter("ignore")
+            self.a = normalise(nn.Linear(8, 6))
+
+    def forward(self, x):
+        return self.a(x)
+
+
+@pytest.mark.parametrize("api", ["weight_norm", "spectral_norm"])
+def test_the_hook_based_norms_are_refused_pointing_at_their_parametrizations(api):
+    # Their forward pre-hook sets the weight on every call: the user was told to return it or keep it in
+    # a buffer, which they cannot do; the parametrization of the same name is planned.
+    model, x = _HookNormalised(getattr(nn.utils, api)), torch.randn(3, 8)
+    with pytest.raises(CaptureError, match=rf"pre-hook .*torch\.nn\.utils\.parametrizations\.{api} instead"):
+        optimize(model)(x)
+    assert not isinstance(model.a.weight, FakeTensor)
+    planned = nn.Sequential(getattr(nn.utils.parametrizations, api)(nn.Linear(8, 6)))
+    assert_equivalent(planned.eval(), optimize(planned.eval()), x)
+
+
 class _OwnGenerator(nn.Module):
     def __init__(self):
         super().__init__()
