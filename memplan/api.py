@@ -466,6 +466,17 @@ def _check_mutations(graph: CapturedGraph, am: AnalysisManager | None = None) ->
                     continue
                 source = graph.sources.get(node.name)
                 where = f" at {source}" if source else ""
+                if node.target is torch.ops.aten.embedding_renorm_.default:
+                    # inside F.embedding, under no_grad: nothing in the user's code is out of place to write
+                    fix = (f"construct the embedding without max_norm and renormalise the rows a batch reads "
+                           f"before calling the model, as F.embedding does (with torch.no_grad(): "
+                           f"torch.embedding_renorm_({spec.path}, ids, max_norm, norm_type)), which gives the "
+                           'same results; or pass fallback="eager".')
+                    raise CaptureError(
+                        f"the model's nn.Embedding(max_norm=...) renormalises the rows it reads in place in "
+                        f"{spec.kind} '{spec.path}', which requires grad ({node.format_node()}){where}. memplan "
+                        f"cannot plan in-place updates of differentiable inputs in training. Fix: {fix}"
+                    )
                 raise CaptureError(
                     f"the model writes in place into {spec.kind} '{spec.path}', which requires grad "
                     f"({node.format_node()}){where}. memplan cannot plan in-place updates of differentiable "

@@ -351,8 +351,19 @@ def test_inference_renormalises_embedding_rows_in_place_as_eager_does():
     torch.testing.assert_close(model.embed.weight, reference.embed.weight)
     assert not torch.equal(model.embed.weight, before)  # the rows read were rescaled...
     assert (model.embed.weight[ids.unique()].norm(dim=1) <= 1.0 + 1e-4).all()  # ...to norm 1 at most
-    with pytest.raises(CaptureError, match="writes in place into parameter 'embed.weight'"):
+    # In training the refusal names max_norm and the fix that gives the same results (the renorm out of
+    # the model, as F.embedding does it, and the embedding without max_norm); it told users to write an
+    # out-of-place op, which they cannot: the write is F.embedding's.
+    with pytest.raises(CaptureError, match=r"nn\.Embedding\(max_norm=\.\.\.\).*'embed\.weight'.*embedding_renorm_"):
         optimize(Lookup())(ids).sum().backward()
+    torch.manual_seed(0)
+    model, fixed = Lookup(), Lookup()
+    fixed.load_state_dict(model.state_dict())
+    fixed.embed.max_norm = None
+    with torch.no_grad():
+        torch.embedding_renorm_(fixed.embed.weight, ids, 1.0, 2.0)
+    assert_equivalent(model, optimize(fixed), ids)
+    torch.testing.assert_close(model.embed.weight, fixed.embed.weight)  # renormalised by the reference run
 
 
 class MutatesDifferentiable(nn.Module):
