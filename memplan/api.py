@@ -256,6 +256,13 @@ def _module_state_key(module: nn.Module) -> tuple:
     return (module.training, tuple(plain), tuple(tensors), hooks)
 
 
+def _names_only(entry: tuple) -> tuple:
+    """A module's part of a plan key (:func:`_module_state_key`) with its attributes' names, not their
+    values: the calls a value that changes every call plans again share it."""
+    training, plain, tensors, hooks = entry
+    return training, tuple(name for name, _ in plain), tuple(name for name, _ in tensors), hooks
+
+
 class _Identity:
     """An object compared by identity in a plan key; holding it keeps its id from being reused."""
 
@@ -408,20 +415,37 @@ class OptimizedModule(nn.Module):
         return pytree.tree_unflatten(outputs, plan.graph.out_spec)
 
     def _warn_if_values_vary(self, key: tuple, call: tuple[tuple, dict]) -> None:
-        """Warn once per set of tensor shapes when plain argument values have made
+        """Warn once per set of tensor shapes when plain values, of the call's arguments or of the
+        modules' attributes (``self.alpha``, a schedule the training loop sets), have made
         :data:`VALUE_PLANS_WARNING` plans of it: a value that changes every call replans every call."""
-        spec, per_leaf, *rest = key
-        shapes = (spec, tuple(k[:2] if k and k[0] == "py" else k for k in per_leaf), *rest)
+        spec, per_leaf, params, state, *rest = key
+        shapes = (spec, tuple(k[:2] if k and k[0] == "py" else k for k in per_leaf), params,
+                  tuple(_names_only(entry) for entry in state), *rest)
         seen = self._value_plans.setdefault(shapes, [])
-        seen.append(per_leaf)
-        if len(seen) == VALUE_PLANS_WARNING:
-            varying = [path for i, path in enumerate(leaf_paths(call)) if len({keys[i] for keys in seen}) > 1]
-            warnings.warn(
-                f"memplan has planned this model {len(seen)} times for the same tensor shapes, once per value of "
-                f"{', '.join(varying)}: each new value is a new plan, which takes seconds. Fix: pass a value "
-                "that changes from call to call as a tensor (torch.tensor(value)).",
-                stacklevel=_user_stacklevel(),
-            )
+        seen.append((per_leaf, state))
+        if len(seen) != VALUE_PLANS_WARNING:
+            return
+        arguments = [path for i, path in enumerate(leaf_paths(call)) if len({leaves[i] for leaves, _ in seen}) > 1]
+        attributes = []
+        modules = [name for name, _ in self.original.named_modules()] if isinstance(self.original, nn.Module) else []
+        for j, module in enumerate(modules):
+            for kind in (1, 2):  # plain values, then plain tensors
+                for i, (name, _) in enumerate(seen[0][1][j][kind]):
+                    if len({states[j][kind][i][1] for _, states in seen}) > 1:
+                        attributes.append(f"{module}.{name}" if module else name)
+        fixes = []
+        if arguments:
+            fixes.append("pass a value that changes from call to call as a tensor (torch.tensor(value))")
+        if attributes:
+            fixes.append("keep an attribute that changes from call to call in a buffer "
+                         "(self.register_buffer(name, torch.tensor(value)), then .fill_(new_value)), which is "
+                         "read as a tensor, not planned as a constant")
+        warnings.warn(
+            f"memplan has planned this model {len(seen)} times for the same tensor shapes, once per value of "
+            f"{', '.join(arguments + attributes)}: each new value is a new plan, which takes seconds, and every "
+            f"plan is kept. Fix: {'; '.join(fixes)}.",
+            stacklevel=_user_stacklevel(),
+        )
 
     @staticmethod
     def _flat_inputs(leaves: Sequence[Any], walk: _Walk | None) -> list[torch.Tensor]:

@@ -198,6 +198,35 @@ def test_a_plain_argument_that_changes_every_call_warns_once():
     assert opt.plans_built == 10
 
 
+class _Scheduled(nn.Module):
+    """Two losses weighted by an attribute the training loop sets every step (a schedule)."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+        self.alpha = 0.0
+
+    def forward(self, x):
+        y = self.head(x)
+        return y.square().mean() + self.alpha * y.abs().mean()
+
+
+def test_a_module_attribute_that_changes_every_call_warns_once_naming_it():
+    # Each value is a new plan (the plan runs the graph, where the value is a constant), and the warning
+    # counted only the call's plain arguments: a schedule replanned every step, silently.
+    model = _Scheduled()
+    opt = optimize(model, passes="")
+    x = torch.randn(2, 8)
+    with pytest.warns(UserWarning, match=r"8 times .* of alpha, head\.1\.scale: .*register_buffer") as caught:
+        for step in range(10):
+            model.alpha = 0.1 * step
+            torch.testing.assert_close(opt(x), _Scheduled.forward(model, x))
+            model.head[1].scale = step  # a plain attribute of a submodule that varies too
+    (replanned,) = [w for w in caught if "planned this model" in str(w.message)]
+    assert replanned.filename == __file__
+    assert opt.plans_built == 10
+
+
 class Dropper(nn.Module):
     def __init__(self):
         super().__init__()
