@@ -139,6 +139,9 @@ class OutputSpec:
     kind: str  # "output" or "grad"
     path: str  # output position ("out[0]") or the input the gradient belongs to ("fc1.weight")
     differentiable: bool = False  # a model output that requires grad (gets a tangent in backward)
+    # its tangent must reach the backward dense: the backward fails on a broadcast scalar (view_as_complex,
+    # the backward of a view_as_real output, needs unit stride)
+    dense_tangent: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -494,7 +497,8 @@ def capture(
             tangents = _tangent_placeholders(tracer, diff)
             tag_backward(diff)
             torch.autograd.backward(diff, tangents)
-            relaid = _relaid_by_broadcast_tangents(tracer, tangents, grad_inputs)
+            relaid, dense = _relaid_by_broadcast_tangents(tracer, tangents, grad_inputs)
+            out_spec_box["dense_tangents"] = dense
         _check_constants(model, tracer)  # what the backward alone reads
         # AccumulateGrad copies a gradient that breaks its leaf's layout contract. Make that copy inside
         # the graph, where the plan sees it, so autograd takes ours as it is: where the trace breaks the
@@ -561,6 +565,7 @@ def capture(
         released=recorder.released_after,
         recorded_sources=recorder.sources,
         differentiable=out_spec_box["differentiable"],
+        dense_tangents=out_spec_box.get("dense_tangents", set()),
     )
 
 
@@ -700,9 +705,13 @@ def _is_dense(tensor: torch.Tensor) -> bool:
     return True
 
 
-def _relaid_by_broadcast_tangents(tracer: Tracer, tangents: list[torch.Tensor], leaves: list[torch.Tensor]) -> set[int]:
+def _relaid_by_broadcast_tangents(tracer: Tracer, tangents: list[torch.Tensor],
+                                   leaves: list[torch.Tensor]) -> tuple[set[int], set[int]]:
     """Positions of the ``leaves`` whose gradient breaks the leaf's layout contract when tangents arrive as
-    broadcast scalars, though it keeps it in the trace.
+    broadcast scalars, though it keeps it in the trace; and positions of the tangents that cannot arrive
+    as broadcast scalars at all (some backward op refuses the layout: ``view_as_complex``, the backward
+    of a ``view_as_real`` output, needs unit stride, which eager's backward makes with a ``contiguous``
+    the trace recorded as a no-op). Those are made dense before the backward runs.
 
     A run's tangent is dense, as traced, or a broadcast scalar (all strides zero: what ``out.sum()``
     sends, and :func:`memplan.emit.PlanFunction` passes it on as it is, since it costs nothing). Kernels
@@ -715,15 +724,27 @@ def _relaid_by_broadcast_tangents(tracer: Tracer, tangents: list[torch.Tensor], 
     graph = tracer.graph
     tangent_nodes = [tracer.node_of(t) for t in tangents]
     grad_nodes = {i: tracer.node_of(leaf.grad) for i, leaf in enumerate(leaves) if leaf.grad is not None}
-    scenarios = [_restrided_values(tracer, [node]) for node in tangent_nodes]
-    if _meet(graph, scenarios):
-        scenarios.append(_restrided_values(tracer, tangent_nodes))
+    scenarios, dense = [], set()
+    for j, node in enumerate(tangent_nodes):
+        values = _restrided_values(tracer, [node])
+        if values is None:
+            dense.add(j)
+        else:
+            scenarios.append(values)
+    broadcastable = [node for j, node in enumerate(tangent_nodes) if j not in dense]
+    if len(broadcastable) > 1 and _meet(graph, scenarios):
+        values = _restrided_values(tracer, broadcastable)
+        if values is None:  # each alone passes, not all at once: every one of them arrives dense
+            dense.update(j for j in range(len(tangent_nodes)))
+            scenarios = []
+        else:
+            scenarios.append(values)
     relaid: set[int] = set()
     for values in scenarios:
         for i, node in grad_nodes.items():
             if node in values and not _keeps_layout_contract(values[node], leaves[i]):
                 relaid.add(i)
-    return relaid
+    return relaid, dense
 
 
 def _meet(graph: torch.fx.Graph, scenarios: list[dict[torch.fx.Node, Any]]) -> bool:
@@ -742,8 +763,9 @@ def _meet(graph: torch.fx.Graph, scenarios: list[dict[torch.fx.Node, Any]]) -> b
     return False
 
 
-def _restrided_values(tracer: Tracer, broadcast: list[torch.fx.Node]) -> dict[torch.fx.Node, Any]:
-    """Fake values of the nodes whose strides change when the ``broadcast`` placeholders are broadcast scalars.
+def _restrided_values(tracer: Tracer, broadcast: list[torch.fx.Node]) -> dict[torch.fx.Node, Any] | None:
+    """Fake values of the nodes whose strides change when the ``broadcast`` placeholders are broadcast scalars,
+    or None when an op refuses the changed layout.
 
     Each op reading a changed value runs again on fake values (from the tracer's cache of the layouts it
     has seen); its result is kept only if its strides differ from the trace's. An op that writes into an
@@ -774,7 +796,10 @@ def _restrided_values(tracer: Tracer, broadcast: list[torch.fx.Node]) -> dict[to
         if any(arg not in changed for arg in mutated_args(node)):
             continue
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda arg: changed.get(arg, arg.meta.get("val")))
-        value = tracer.evaluate(node.target, args, kwargs)
+        try:
+            value = tracer.evaluate(node.target, args, kwargs)
+        except RuntimeError:  # the op's meta kernel refuses this layout (view_as_complex: unit stride)
+            return None
         if _layout(value) != _layout(node.meta.get("val")):
             changed[node] = value
             queue_readers(node)
@@ -1187,6 +1212,7 @@ def _build_captured(
     released: Mapping[int, str],
     differentiable: Sequence[bool],
     recorded_sources: Mapping[str, SourceLine],
+    dense_tangents: set[int] = frozenset(),
 ) -> CapturedGraph:
     dropped = _drop_aliases(gm, boundary)
     boundary = dropped.get(boundary, boundary) if boundary is not None else None
@@ -1247,10 +1273,12 @@ def _build_captured(
     n_model_outputs = out_spec.num_leaves
     grad_paths = [spec.path for spec in inputs if spec.requires_grad]
     outputs = []
+    tangent_of = {i: j for j, i in enumerate(i for i, d in enumerate(differentiable) if d)} if train else {}
     for i, value in enumerate(flat_outputs):
         node_name = value.name if isinstance(value, torch.fx.Node) else None
         if i < n_model_outputs:
-            outputs.append(OutputSpec(node_name, "output", f"out[{i}]", bool(train and differentiable[i])))
+            outputs.append(OutputSpec(node_name, "output", f"out[{i}]", bool(train and differentiable[i]),
+                                      tangent_of.get(i) in dense_tangents))
         else:
             outputs.append(OutputSpec(node_name, "grad", grad_paths[i - n_model_outputs]))
 

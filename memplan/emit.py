@@ -69,6 +69,7 @@ class Emitted:
     # positions among the saved values of plain values (a Python number read by .item()), not tensors
     plain_saved: tuple[int, ...]
     tangents: tuple[tuple[torch.Size, torch.dtype, torch.device], ...]  # per differentiable output
+    dense_tangents: tuple[bool, ...]  # per differentiable output: its tangent must reach the backward dense
     run_forward: Callable[[list[Any]], Any] = dataclasses.field(repr=False, compare=False)
     run_backward: Callable[[list[Any]], Any] | None = dataclasses.field(repr=False, compare=False)
     # () -> (forward, backward): builds the GraphModules (see the module docstring).
@@ -239,6 +240,7 @@ def emit(graph: CapturedGraph) -> Emitted:
         plain_saved=tuple(i for i, n in enumerate(saved)
                           if not (n.meta.get("val") is None or isinstance(n.meta.get("val"), torch.Tensor))),
         tangents=tuple((t.shape, t.dtype, t.device) for t in tangents),
+        dense_tangents=tuple(model_outputs[i].dense_tangent for i in differentiable),
         run_forward=runners[0],
         run_backward=runners[1] if len(runners) > 1 else None,
         build_modules=build_modules,
@@ -289,10 +291,13 @@ class PlanFunction(torch.autograd.Function):
         # Autograd would keep its copies until this whole backward returns; drop them now (unless the
         # graph is retained), so the boxed backward frees each saved tensor at its last use.
         ctx.maybe_clear_saved_tensors()
-        for i, (shape, dtype, device) in zip(emitted.differentiable, emitted.tangents):
+        for i, (shape, dtype, device), dense in zip(emitted.differentiable, emitted.tangents, emitted.dense_tangents):
             grad = grad_outputs[i]
-            args.append(torch.zeros((), dtype=dtype, device=device).expand(shape) if grad is None
-                        else _as_traced_layout(grad))
+            if dense:  # the backward refuses a broadcast scalar here (see OutputSpec.dense_tangent)
+                args.append(torch.zeros(shape, dtype=dtype, device=device) if grad is None else grad.contiguous())
+            else:
+                args.append(torch.zeros((), dtype=dtype, device=device).expand(shape) if grad is None
+                            else _as_traced_layout(grad))
         # Autograd runs a backward with grad mode on only for create_graph=True. The gradients are still
         # the plan's (computed without recording), and asking for their own gradients is refused: a
         # graph recorded through the plan's code would miss every term through the values it saved.

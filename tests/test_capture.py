@@ -255,6 +255,36 @@ def test_gradient_whose_layout_no_tangent_changes_is_returned_as_is():
     assert _returned_gradient(cg).target is not torch.ops.aten.copy_.default
 
 
+class _ComplexAsReal(nn.Module):
+    """Returns a complex value as real pairs (``view_as_real``), and a plain output beside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 16)
+
+    def forward(self, x):
+        y = self.linear(x)
+        real, imaginary = y.chunk(2, dim=1)
+        return torch.view_as_real(torch.complex(torch.tanh(real), torch.tanh(imaginary))), y.relu()
+
+
+def test_a_tangent_the_backward_cannot_take_broadcast_reaches_it_dense():
+    # view_as_real's backward is view_as_complex, which needs unit stride: the replay with a broadcast
+    # tangent raised inside capture (a CaptureError naming no line, for a model eager trains), and a
+    # plan would have passed out.sum()'s broadcast tangent, or a broadcast zero, straight to it.
+    model, x = _ComplexAsReal(), torch.randn(4, 8, requires_grad=True)
+    cg = capture(model, x, seed="tangents")
+    assert [o.dense_tangent for o in cg.outputs if o.kind == "output"] == [True, False]
+    opt = optimize(model)
+    assert_equivalent(model, opt, x)
+    for pick in (0, 1):  # the loss reaches one output: the other's tangent is zero
+        reference = x.detach().requires_grad_()
+        model(reference)[pick].sum().backward()
+        planned = x.detach().requires_grad_()
+        opt(planned)[pick].sum().backward()
+        torch.testing.assert_close(planned.grad, reference.grad)
+
+
 # ----------------------------------------------------------------------------------------------
 # the tracer: make_fx's graph, made from a cache on repeated steps
 
