@@ -429,16 +429,23 @@ class PassManager:
         budget = self.policy.budget
         if budget is None or self.policy.when_over != "raise":
             return self._run(graph, self.policy, known)
-        smallest = None
+        smallest = lowest = None
         for result, peak in self.ladder(graph, known):
-            smallest = peak
+            smallest, lowest = peak, result
             if peak <= budget:
                 return result
+        holders = _holders(lowest)
+        # memplan's own passes that could lower a peak and are not in the pipeline (arena only places
+        # what is live)
+        missing = [name for name in sorted(_REGISTRY) if name not in self.passes and name != "arena"
+                   and getattr(_REGISTRY[name], "__module__", "").startswith("memplan.passes.")]
         raise InfeasibleBudgetError(
             f"no plan of the pipeline {','.join(self.passes) or '(empty)'} fits the budget of "
-            f"{format_bytes(budget)}: the smallest peak its plans reach is {format_bytes(smallest)}. Fix: "
-            "raise the budget, lower the batch size, or enable more passes.",
+            f"{format_bytes(budget)}: the smallest peak its plans reach is {format_bytes(smallest)}"
+            + (f", held there by {'; '.join(holders)}" if holders else "") + ". Fix: raise the budget, "
+            "lower the batch size" + (f", or add the passes {', '.join(missing)}" if missing else "") + ".",
             smallest=smallest,
+            holders=holders,
         )
 
     def ladder(self, graph: CapturedGraph, known: Mapping[type, Any] | None = None) -> Iterator[tuple[PipelineResult, int]]:
@@ -570,6 +577,21 @@ class PassManager:
         else:
             message += " Pass reproducer_dir= to save a reproducer."
         return PassError(message)
+
+
+def _holders(result: PipelineResult | None, top: int = 3) -> tuple[str, ...]:
+    """The largest tensors alive at the peak of ``result``'s plan, each with why it is alive and the
+    user's line: what keeps the smallest reachable peak where it is."""
+    if result is None:
+        return ()
+    from memplan.analysis.memory import MemoryAnalysis  # the explanation analyze gives, of the plan
+
+    am = result.analyses if result.analyses is not None and result.analyses.graph is result.graph else None
+    explanation = MemoryAnalysis.from_graph(result.graph, am).explain(top=top)
+    return tuple(
+        f"{format_bytes(row.nbytes)} of `{row.op}` ({row.reason}" + (f", {row.source}" if row.source else "") + ")"
+        for row in explanation.tensors
+    )
 
 
 def _step_peak(result: PipelineResult) -> int:

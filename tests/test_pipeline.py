@@ -174,6 +174,11 @@ def test_a_budget_that_only_a_later_pass_reaches_is_met_and_an_unreachable_one_n
         lowest(*inputs)
     assert 0 < caught.value.smallest <= budget
     assert "smallest peak its plans reach" in str(caught.value)
+    # what holds the lowest plan's peak, largest first, with why and the user's line (latent_gru.py)
+    holders = caught.value.holders
+    assert len(holders) == 3 and all(h in str(caught.value) for h in holders)
+    assert any("latent_gru.py:" in h for h in holders) and all(" of `" in h for h in holders)
+    assert "add the passes" in str(caught.value) and "timesteps" in str(caught.value)  # not in this pipeline
 
 
 def test_the_pipeline_takes_over_the_analyses_a_pass_made_of_its_result():
@@ -216,6 +221,7 @@ def test_the_default_pipeline_never_measures_higher_as_the_budget_falls():
     with pytest.raises(InfeasibleBudgetError) as caught:
         optimize(model, budget=rungs[-1] - 1)(*inputs)
     assert caught.value.smallest == rungs[-1]
+    assert caught.value.holders and "add the passes" not in str(caught.value)  # every pass ran
 
 
 def _broken(kind):
