@@ -1259,12 +1259,13 @@ def _build_captured(
             line = forward_source_by_seq.get(seq_nr.get(name, -2))
             if line is not None:
                 sources[name] = line
-        # Python's release of the storage the node created.
-        for tensor in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(tensor, torch.Tensor):
-                key = _storage_key(tensor)
-                if key in released and name not in released_after:
-                    released_after[name] = released[key]
+        # Python's release of the storage the node created. A node of several tensors has none of its own:
+        # each of its storages is released when Python drops that tensor, which the node's getitem of it
+        # records (embedding_bag's offsets die inside F.embedding_bag, its result lives on).
+        if isinstance(value, torch.Tensor):
+            key = _storage_key(value)
+            if key in released:
+                released_after[name] = released[key]
         if train and name == boundary:
             phase = Phase.BACKWARD
 

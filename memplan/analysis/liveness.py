@@ -74,6 +74,9 @@ class Liveness(Analysis):
             if graph.lifetimes == "eager" and not to_end and not storage.external:
                 # Python may hold the storage past its last reader (a local variable, a list).
                 released = graph.released_after.get(storage.creator)
+                if released is None:  # a node of several tensors: the item's getitem has the release
+                    points = [graph.released_after[m] for m in storage.members if m in graph.released_after]
+                    released = max(points, key=lambda n: position.get(n, end)) if points else None
                 if released is None:
                     to_end = True
                 elif released in position and position[released] > last:
