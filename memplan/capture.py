@@ -1092,9 +1092,12 @@ def _capture_error(model: Any, exc: BaseException, graph: torch.fx.Graph | None 
         return CaptureError(
             f"memplan cannot capture {name}: its Python control flow or output shapes depend on tensor values{at} "
             "(a branch on a tensor, float(t) or int(t) of one, or an op whose output size depends on values, "
-            "such as nonzero or masked_select). A static plan needs the same ops for every input of a given "
-            "shape. Fix: express the branch with tensor ops (torch.where, masking), keep values tensors, move "
-            'it outside the model, or pass fallback="eager" to memplan.optimize to run this model eagerly.'
+            "such as nonzero or masked_select; or, with none of those on that line, a torch function there that "
+            "reads values inside: a check of its input, as torch.istft checks its window's overlap, or a float "
+            "argument given a value read by .item(), which ops taking a tensor accept). A static plan needs the "
+            "same ops for every input of a given shape. Fix: express the branch with tensor ops (torch.where, "
+            "masking), keep values tensors, move it outside the model, or pass fallback=\"eager\" to "
+            "memplan.optimize to run this model eagerly."
         )
     if isinstance(exc, RuntimeError) and re.search(r"Sym(Int|Float|Bool)\b.*is not tracked with proxy", str(exc)):
         return CaptureError(

@@ -547,6 +547,25 @@ def test_value_dependent_shapes_and_sparse_tensors_are_clear_errors():
         optimize(SparseEmbedding())(torch.randint(0, 50, (4, 6))).backward()
 
 
+class _InverseSTFT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("window", torch.hann_window(64))
+        self.mix = nn.Linear(33, 33)
+
+    def forward(self, spectrum):
+        real = self.mix(spectrum.real.transpose(1, 2)).transpose(1, 2)
+        return torch.istft(torch.complex(real, spectrum.imag), 64, 16, window=self.window, length=1000)
+
+
+def test_a_value_check_inside_a_torch_function_is_named_as_one():
+    # torch.istft checks its window's overlap-add on values: the refusal spoke of branches the user's
+    # line does not have
+    spectrum = torch.stft(torch.randn(2, 1000), 64, 16, window=torch.hann_window(64), return_complex=True)
+    with pytest.raises(CaptureError, match=r"test_optimize.py.*torch.istft.*a torch function there that reads values"):
+        optimize(_InverseSTFT())(spectrum)
+
+
 class CTCHead(nn.Module):
     def __init__(self, reduction):
         super().__init__()
