@@ -428,7 +428,7 @@ class OptimizedModule(nn.Module):
         arguments = [path for i, path in enumerate(leaf_paths(call)) if len({leaves[i] for leaves, _ in seen}) > 1]
         attributes = []
         modules = [name for name, _ in self.original.named_modules()] if isinstance(self.original, nn.Module) else []
-        for j, module in enumerate(modules):
+        for j, module in zip(range(len(state)), modules):  # the key's modules, in named_modules() order
             for kind in (1, 2):  # plain values, then plain tensors
                 for i, (name, _) in enumerate(seen[0][1][j][kind]):
                     if len({states[j][kind][i][1] for _, states in seen}) > 1:

@@ -54,6 +54,7 @@ import sys
 import traceback
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet  # typing.AbstractSet's name, without typing's alias
 from typing import Any
 
 import torch
@@ -317,6 +318,11 @@ def _check_leaves(leaves: Sequence[Any], paths: Sequence[str]) -> None:
             )
 
 
+def _model_name(model: Any) -> str:
+    """How errors name the model: its class, or the function's qualified name."""
+    return type(model).__name__ if isinstance(model, nn.Module) else getattr(model, "__qualname__", repr(model))
+
+
 def _check_requires_grad_unchanged(model: Any, traced: Sequence[torch.Tensor], given: Sequence[torch.Tensor],
                                    paths: Sequence[str]) -> None:
     """Raise :class:`CaptureError` when the forward turned gradients of an input on or off
@@ -325,7 +331,7 @@ def _check_requires_grad_unchanged(model: Any, traced: Sequence[torch.Tensor], g
     gives eager. ``requires_grad_`` is no op of the trace, so there is no line to name: the input is."""
     for tensor, leaf, path in zip(traced, given, paths):
         if tensor.requires_grad != leaf.requires_grad:
-            name = type(model).__name__ if isinstance(model, nn.Module) else getattr(model, "__qualname__", repr(model))
+            name = _model_name(model)
             now = "on" if tensor.requires_grad else "off"
             raise CaptureError(
                 f"{name}'s forward turns gradients {now} for its input {path} (requires_grad was "
@@ -735,7 +741,7 @@ def _relaid_by_broadcast_tangents(tracer: Tracer, tangents: list[torch.Tensor],
     if len(broadcastable) > 1 and _meet(graph, scenarios):
         values = _restrided_values(tracer, broadcastable)
         if values is None:  # each alone passes, not all at once: every one of them arrives dense
-            dense.update(j for j in range(len(tangent_nodes)))
+            dense.update(range(len(tangent_nodes)))
             scenarios = []
         else:
             scenarios.append(values)
@@ -1057,7 +1063,7 @@ def _capture_error(model: Any, exc: BaseException, graph: torch.fx.Graph | None 
 
     frames = traceback.extract_tb(exc.__traceback__)
     where = _user_line_from_traceback(frames)
-    name = type(model).__name__ if isinstance(model, nn.Module) else getattr(model, "__qualname__", repr(model))
+    name = _model_name(model)
     at = f" at {where.filename}:{where.lineno} in {where.function}: `{where.code}`" if where else ""
     inner = _library_line_from_traceback(frames)
     if inner is not None:
@@ -1215,7 +1221,7 @@ def _build_captured(
     released: Mapping[int, str],
     differentiable: Sequence[bool],
     recorded_sources: Mapping[str, SourceLine],
-    dense_tangents: set[int] = frozenset(),
+    dense_tangents: AbstractSet[int] = frozenset(),
 ) -> CapturedGraph:
     dropped = _drop_aliases(gm, boundary)
     boundary = dropped.get(boundary, boundary) if boundary is not None else None
