@@ -363,9 +363,7 @@ class OptimizedModule(nn.Module):
         result = PassManager(self.passes, self.policy, options=self.options).run(
             copy_graph(graph), known={Tensors: captured.get(Tensors)})
         # The pipeline hands over the analyses of its last graph (computing them again took seconds).
-        analyses = result.analyses
-        if analyses is None or analyses.graph is not result.graph:
-            analyses = AnalysisManager(result.graph)
+        analyses = result.graph_analyses()
         planned_peak = analyses.get(PeakSimulation).peak
         emitted = emit(result.graph)
         tensors = analyses.get(Tensors)

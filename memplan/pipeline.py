@@ -32,6 +32,7 @@ import torch.fx
 
 from memplan.analysis.liveness import Liveness
 from memplan.analysis.manager import AnalysisManager
+from memplan.analysis.memory import MemoryAnalysis
 from memplan.analysis.peak import PeakSimulation, step_margin
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph, InputSpec, OutputSpec, Phase, SourceLine
@@ -367,6 +368,13 @@ class PipelineResult:
     records: tuple[PassRecord, ...]
     analyses: AnalysisManager | None = None
 
+    def graph_analyses(self) -> AnalysisManager:
+        """The run's analyses when they are of its last graph (computing them again takes seconds on an
+        unrolled loop), else a new manager of that graph."""
+        if self.analyses is not None and self.analyses.graph is self.graph:
+            return self.analyses
+        return AnalysisManager(self.graph)
+
 
 Instrument = Callable[[str, CapturedGraph], None]
 
@@ -584,10 +592,7 @@ def _holders(result: PipelineResult | None, top: int = 3) -> tuple[str, ...]:
     user's line: what keeps the smallest reachable peak where it is."""
     if result is None:
         return ()
-    from memplan.analysis.memory import MemoryAnalysis  # the explanation analyze gives, of the plan
-
-    am = result.analyses if result.analyses is not None and result.analyses.graph is result.graph else None
-    explanation = MemoryAnalysis.from_graph(result.graph, am).explain(top=top)
+    explanation = MemoryAnalysis.from_graph(result.graph, result.graph_analyses()).explain(top=top)
     return tuple(
         f"{format_bytes(row.nbytes)} of `{row.op}` ({row.reason}" + (f", {row.source}" if row.source else "") + ")"
         for row in explanation.tensors
@@ -598,8 +603,7 @@ def _step_peak(result: PipelineResult) -> int:
     """The predicted peak of a step running ``result``'s graph, as budgets count it (with the step's loss
     scalars), from the analyses the run already made of that graph."""
     graph = result.graph
-    am = result.analyses if result.analyses is not None and result.analyses.graph is graph else AnalysisManager(graph)
-    return am.get(PeakSimulation).peak + (step_margin(graph) if graph.training else 0)
+    return result.graph_analyses().get(PeakSimulation).peak + (step_margin(graph) if graph.training else 0)
 
 
 # ----------------------------------------------------------------------------------------------

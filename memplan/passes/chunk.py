@@ -1818,7 +1818,7 @@ def _plan(
             best = policy.choose(candidates)
         except InfeasibleBudgetError:
             best = min(candidates, key=lambda c: (c.peak, c.overhead, c.label))
-        best = _latest_of_equals(current, candidates, best)
+        best = _latest_of_equals(candidates, best, liveness.position)
         if best.plan is None or (best.peak > (1.0 - opts.min_gain) * base_peak and not over_budget):
             break
         chosen.append(best.plan)
@@ -1828,10 +1828,11 @@ def _plan(
     return ChunkPlan(tuple(chosen)), current
 
 
-def _latest_of_equals(graph: CapturedGraph, candidates: Sequence[Candidate], best: Candidate,
+def _latest_of_equals(candidates: Sequence[Candidate], best: Candidate, position: Mapping[str, int],
                       rounding: float = 1e-9) -> Candidate:
     """Among the candidates equal to ``best`` (the same peak and chunk count, overheads equal up to
-    float ``rounding``), the one whose region's forward ends latest in the graph.
+    float ``rounding``), the one whose region's forward ends latest in the graph (``position``: the
+    graph's order, as its liveness numbers it).
 
     Equal candidates come from repeated layers (the MLP of each block of a transformer): the policy
     cannot tell them apart, and the tie would go to whichever label sorts first or to float noise in
@@ -1846,7 +1847,6 @@ def _latest_of_equals(graph: CapturedGraph, candidates: Sequence[Candidate], bes
              and abs(c.overhead - best.overhead) <= rounding * max(1.0, abs(best.overhead))]
     if len(equal) < 2:
         return best
-    position = {node.name: i for i, node in enumerate(graph.gm.graph.nodes)}
     return max(equal, key=lambda c: (max((position[n] for n, _ in c.plan.forward), default=-1), c.label))
 
 
