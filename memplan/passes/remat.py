@@ -888,9 +888,22 @@ def plan_copies(
         key = (group, name)
         if key in holders:
             return holders[key]
+        # Walk up to the first group that holds it or whose answer is known, then record the answer for
+        # every group passed: in a deep schedule tree (one state slot over a long segment) the readers
+        # of one value start from many groups of one chain, and each walk would climb it again.
+        passed = []
         found: int | None = group
-        while found is not None and name not in groups[found].nodes:
+        while found is not None:
+            known = holders.get((found, name), -1)
+            if known != -1:
+                found = known
+                break
+            if name in groups[found].nodes:
+                break
+            passed.append(found)
             found = groups[found].parent
+        for g in passed:
+            holders[(g, name)] = found
         holders[key] = found
         return found
 
