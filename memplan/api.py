@@ -32,7 +32,7 @@ from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph, capture, is_static_leaf, is_user_frame, leaf_paths
-from memplan.emit import Emitted, PlanFunction, emit, run_inference
+from memplan.emit import Emitted, emit, run_inference, run_training
 from memplan.errors import CaptureError, UnsupportedInputError
 from memplan.measure import format_bytes
 from memplan.graphutil import copy_graph, mutated_args
@@ -405,7 +405,7 @@ class OptimizedModule(nn.Module):
             return original(*args, **kwargs)
         flat = self._flat_inputs(leaves, walk)
         if plan.training:
-            outputs = list(PlanFunction.apply(plan.emitted, *flat))
+            outputs = run_training(plan.emitted, flat)
         else:
             outputs = run_inference(plan.emitted, flat)
         for index, value in plan.emitted.constant_outputs:

@@ -49,7 +49,7 @@ from memplan.capture import CapturedGraph, Phase
 from memplan.errors import HigherOrderGradientError
 from memplan.opschema import GRAD_MODE_OPS
 
-__all__ = ["Emitted", "emit", "PlanFunction"]
+__all__ = ["Emitted", "emit", "PlanFunction", "run_training"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,15 +247,45 @@ def emit(graph: CapturedGraph) -> Emitted:
     )
 
 
+def run_training(emitted: Emitted, flat: Sequence[torch.Tensor]) -> list[Any]:
+    """Run a training plan's forward under autograd: the outputs, whose backward runs the plan's.
+
+    Two autograd nodes: :class:`PlanFunction` runs the forward and the backward and hands autograd
+    one empty tensor; :class:`_Release` gives out the outputs and receives their gradients. Autograd
+    keeps a node's incoming gradients until the node returns; given to ``PlanFunction`` itself, the
+    outputs' gradients were held through the whole planned backward, where eager frees each after
+    the last op that reads it (with the loss outside the model, a full gradient of the logits). The
+    release node returns at once, handing them over, and the backward frees each at its last read.
+    """
+    relay = _Relay()
+    token = PlanFunction.apply(emitted, relay, *flat)
+    return list(_Release.apply(relay, token))
+
+
+class _Relay:
+    """Carries one call's outputs from :class:`PlanFunction` to :class:`_Release`, and their
+    gradients back (each taken once, so the relay holds nothing after)."""
+
+    __slots__ = ("outputs", "inputs", "differentiable", "grads", "token")
+
+    def __init__(self) -> None:
+        self.outputs: list[Any] | None = None
+        self.inputs: frozenset[int] = frozenset()  # ids of the plan's input tensors
+        self.differentiable: frozenset[int] = frozenset()  # output positions that take a gradient
+        self.grads: tuple[Any, ...] | None = None
+        self.token: tuple[torch.dtype, torch.device] | None = None
+
+
 class PlanFunction(torch.autograd.Function):
-    """Runs an :class:`Emitted` plan's forward, and its backward when autograd asks."""
+    """Runs an :class:`Emitted` plan's forward, and its backward when autograd asks (see :func:`run_training`)."""
 
     @staticmethod
-    def forward(ctx: Any, emitted: Emitted, *flat: torch.Tensor) -> tuple[Any, ...]:
+    def forward(ctx: Any, emitted: Emitted, relay: _Relay, *flat: torch.Tensor) -> torch.Tensor:
         results = emitted.run_forward([*flat])
         outputs = list(results[: emitted.n_outputs])
         saved = results[emitted.n_outputs :]
         ctx.emitted = emitted
+        ctx.relay = relay
         ctx.n_inputs = len(flat)
         # Tensors go through autograd's saving; the plain values a graph can save too (a Python number
         # read from a tensor by .item() that the backward reads) are kept on ctx, in their places.
@@ -265,16 +295,70 @@ class PlanFunction(torch.autograd.Function):
             ctx.save_for_backward(*[v for i, v in enumerate(saved) if i not in plain])
         else:
             ctx.save_for_backward(*saved)
-        differentiable = set(emitted.differentiable)
+        relay.outputs = outputs
+        relay.inputs = frozenset(id(x) for x in flat)
+        relay.differentiable = frozenset(emitted.differentiable)
+        like = next((t for t in (*outputs, *flat) if isinstance(t, torch.Tensor)), None)
+        device = like.device if like is not None else torch.device("cpu")
+        relay.token = (torch.float32, device)
+        return torch.empty(0, device=device)  # no element: nothing is allocated
+
+    @staticmethod
+    def backward(ctx: Any, _token: torch.Tensor) -> tuple[Any, ...]:
+        emitted: Emitted = ctx.emitted
+        relay: _Relay = ctx.relay
+        grad_outputs, relay.grads = relay.grads, None
+        args: list[Any] = list(ctx.saved_tensors)
+        for i in emitted.plain_saved:  # ascending: each goes back to its place
+            args.insert(i, ctx.plain_values[i])
+        # Autograd would keep its copies until this whole backward returns; drop them now (unless the
+        # graph is retained), so the boxed backward frees each saved tensor at its last use.
+        ctx.maybe_clear_saved_tensors()
+        for i, (shape, dtype, device), dense in zip(emitted.differentiable, emitted.tangents, emitted.dense_tangents):
+            grad = grad_outputs[i] if grad_outputs is not None else None
+            if dense:  # the backward refuses a broadcast scalar here (see OutputSpec.dense_tangent)
+                args.append(torch.zeros(shape, dtype=dtype, device=device) if grad is None else grad.contiguous())
+            else:
+                args.append(torch.zeros((), dtype=dtype, device=device).expand(shape) if grad is None
+                            else _as_traced_layout(grad))
+        grad = grad_outputs = None  # the boxed backward holds the gradients now, and frees each at its last read
+        # Autograd runs a backward with grad mode on only for create_graph=True. The gradients are still
+        # the plan's (computed without recording), and asking for their own gradients is refused: a
+        # graph recorded through the plan's code would miss every term through the values it saved.
+        anchors = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad] if torch.is_grad_enabled() else []
+        with torch.no_grad():
+            grads = emitted.run_backward(args)
+        if anchors:
+            grads = [g if not isinstance(g, torch.Tensor) else _FirstOrderOnly.apply(g, *anchors) for g in grads]
+        result: list[Any] = [None] * (2 + ctx.n_inputs)
+        for index, grad in zip(emitted.grad_inputs, grads):
+            result[2 + index] = grad
+        return tuple(result)
+
+
+class _Release(torch.autograd.Function):
+    """Gives out a plan's outputs (see :func:`run_training`); its backward hands their gradients to the
+    plan's and returns."""
+
+    @staticmethod
+    def forward(ctx: Any, relay: _Relay, token: torch.Tensor) -> tuple[Any, ...]:
+        outputs, relay.outputs = relay.outputs, None
+        differentiable = relay.differentiable
+        ctx.relay = relay
         # The plan drops detaches (a no-op outside autograd), so an output the model detached can be
         # the very tensor of a differentiable output (``return y, y.detach()``) or of an input: marked
         # as it is, it would take the other's gradient away. It is returned as an alias of its own.
         plain = [i for i, o in enumerate(outputs) if isinstance(o, torch.Tensor) and i not in differentiable]
+        taken = {id(o) for i, o in enumerate(outputs) if i in differentiable} | set(relay.inputs)
+        for i in plain:
+            if id(outputs[i]) in taken:
+                outputs[i] = outputs[i].detach()
+        # An input (or parameter) returned as it is would be given this node as its grad_fn, in place:
+        # it is returned as a view, as autograd returns an input a function gives back.
+        for i in differentiable:
+            if isinstance(outputs[i], torch.Tensor) and id(outputs[i]) in relay.inputs:
+                outputs[i] = outputs[i].view_as(outputs[i])
         if plain:
-            taken = {id(o) for i, o in enumerate(outputs) if i in differentiable} | {id(x) for x in flat}
-            for i in plain:
-                if id(outputs[i]) in taken:
-                    outputs[i] = outputs[i].detach()
             ctx.mark_non_differentiable(*[outputs[i] for i in plain])
         # Autograd would otherwise allocate a zero gradient for every output the loss does not reach,
         # the non-differentiable ones included (an argmax returned beside the loss), which eager never
@@ -284,32 +368,10 @@ class PlanFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
-        emitted: Emitted = ctx.emitted
-        args: list[Any] = list(ctx.saved_tensors)
-        for i in emitted.plain_saved:  # ascending: each goes back to its place
-            args.insert(i, ctx.plain_values[i])
-        # Autograd would keep its copies until this whole backward returns; drop them now (unless the
-        # graph is retained), so the boxed backward frees each saved tensor at its last use.
-        ctx.maybe_clear_saved_tensors()
-        for i, (shape, dtype, device), dense in zip(emitted.differentiable, emitted.tangents, emitted.dense_tangents):
-            grad = grad_outputs[i]
-            if dense:  # the backward refuses a broadcast scalar here (see OutputSpec.dense_tangent)
-                args.append(torch.zeros(shape, dtype=dtype, device=device) if grad is None else grad.contiguous())
-            else:
-                args.append(torch.zeros((), dtype=dtype, device=device).expand(shape) if grad is None
-                            else _as_traced_layout(grad))
-        # Autograd runs a backward with grad mode on only for create_graph=True. The gradients are still
-        # the plan's (computed without recording), and asking for their own gradients is refused: a
-        # graph recorded through the plan's code would miss every term through the values it saved.
-        anchors = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad] if torch.is_grad_enabled() else []
-        with torch.no_grad():
-            grads = emitted.run_backward(args)
-        if anchors:
-            grads = [g if not isinstance(g, torch.Tensor) else _FirstOrderOnly.apply(g, *anchors) for g in grads]
-        result: list[Any] = [None] * (1 + ctx.n_inputs)
-        for index, grad in zip(emitted.grad_inputs, grads):
-            result[1 + index] = grad
-        return tuple(result)
+        relay: _Relay = ctx.relay
+        relay.grads = grad_outputs
+        dtype, device = relay.token
+        return None, torch.empty(0, dtype=dtype, device=device)
 
 
 class _FirstOrderOnly(torch.autograd.Function):
