@@ -370,6 +370,31 @@ def chunk_rule(node: torch.fx.Node, st: Callable[[Any], State], is_zero: Callabl
     >>> chunk_rule(soft, {mm: Split(1)}.get)
     Barrier(reason='softmax along the chunked dimension')
     """
+    answer = _chunk_rule(node, st, is_zero)
+    if _rounds_partials(node, answer):
+        return Barrier("a partial sum in a half-precision dtype: each chunk's would be rounded on its own, "
+                       "where the op rounds the whole once")
+    return answer
+
+
+# Partial results whose combination adds the chunks' values: in a dtype below single precision each chunk's
+# partial is rounded before the adding (a bfloat16 sum over 64 features, split in 4, came out 0.375 off).
+_ROUNDED_KINDS = frozenset({"sum", "mean", "lse", "nll_mean"})
+
+
+def _rounds_partials(node: torch.fx.Node, answer: RuleResult) -> bool:
+    """Whether ``answer`` makes ``node`` (or one of its results) a partial result that adds the chunks'
+    values in a float dtype narrower than 32 bits (max and min combine exactly in any dtype)."""
+    states = answer if isinstance(answer, tuple) else (answer,)
+    value = node.meta.get("val")
+    values = tuple(value) if isinstance(value, (tuple, list)) else (value,) * len(states)
+    return any(isinstance(s, Partial) and s.kind in _ROUNDED_KINDS and isinstance(v, torch.Tensor)
+               and v.dtype.is_floating_point and torch.finfo(v.dtype).bits < 32
+               for s, v in zip(states, values))
+
+
+def _chunk_rule(node: torch.fx.Node, st: Callable[[Any], State], is_zero: Callable[[Any], bool]) -> RuleResult:
+    """:func:`chunk_rule` before the check of half-precision partial sums."""
 
     def state(x: Any) -> State:
         if not isinstance(x, torch.fx.Node):
