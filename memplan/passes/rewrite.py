@@ -111,6 +111,7 @@ from memplan.passes._chunk.graphs import (
     fake_mode_of,
     refresh_aliases,
     region_backward,
+    same_layouts,
     stable_toposort,
 )
 from memplan.passes._chunk.rules import Split
@@ -1110,14 +1111,34 @@ def _replace_region(graph: CapturedGraph, region_names: Sequence[str], input_nam
         for node in reversed(created):
             gm.graph.erase_node(node)
         return False
+    def laid_out_as(old: torch.fx.Node, new: Any, phase: Phase, outside: Callable[[torch.fx.Node], bool]) -> Any:
+        """``new``, copied to ``old``'s contiguous layout when a reader of ``old`` (outside the region)
+        cannot run on ``new``'s: what reads ``old`` was traced on its layout, and a view there may be
+        impossible on another (the gradient of ``k`` in ``(x[:, :, None] * k[:, None]).sum(-1)`` comes
+        out of the batched matmul transposed, and ``nn.Linear``'s backward views it as a matrix). Most
+        readers take any layout, and get no copy (maxsim's gradients)."""
+        was, value = old.meta.get("val"), getattr(new, "meta", {}).get("val")
+        if not (isinstance(new, torch.fx.Node) and isinstance(was, torch.Tensor) and isinstance(value, torch.Tensor)):
+            return new
+        if same_layouts(was, value) or not was.is_contiguous() \
+                or all(_runs_on(u, old, value, mode) for u in old.users if outside(u)):
+            return new
+        with mode:
+            dense = value.clone(memory_format=torch.contiguous_format)
+        return add(torch.ops.aten.clone.default, (new,), {"memory_format": torch.contiguous_format}, phase,
+                   state["seq_nr"].get(new.name), dense, priority[new] + 1e-7)
+
     for old, new in zip(outputs, new_outputs):
         if old is None:
             continue
-        old.replace_all_uses_with(new, delete_user_cb=lambda u: u not in region_set and u not in members)
+        outside = lambda u: u not in region_set and u not in members  # noqa: E731
+        old.replace_all_uses_with(laid_out_as(old, new, Phase.FORWARD, outside), delete_user_cb=outside)
     grads_for = iter(new_grads)
     for i in range(len(inputs)):
         if i in produced:
-            produced[i].replace_all_uses_with(next(grads_for), delete_user_cb=lambda u: u not in members)
+            outside = lambda u: u not in members  # noqa: E731
+            new = laid_out_as(produced[i], next(grads_for), Phase.BACKWARD, outside)
+            produced[i].replace_all_uses_with(new, delete_user_cb=outside)
     for node in [n for n in gm.graph.nodes if n in members][::-1]:
         gm.graph.erase_node(node)
     for node in region[::-1]:
@@ -1128,6 +1149,28 @@ def _replace_region(graph: CapturedGraph, region_names: Sequence[str], input_nam
     # tensors into new fake tensors); views of the new values must alias those.
     refresh_aliases(gm.graph, [*inputs, *created, *(g for gs in incoming.values() for g in gs)], mode)
     return True
+
+
+def _runs_on(reader: torch.fx.Node, old: torch.fx.Node, value: torch.Tensor, mode, depth: int = 8) -> bool:
+    """Whether ``reader`` runs with ``value`` in place of ``old``'s, and so do the views of its result,
+    down the chain (only a view can fail on a layout: ``squeeze`` of a gradient, then ``view`` of that)."""
+    if reader.op != "call_function" or not is_view_op(reader.target):
+        return True
+
+    def to_val(a: Any) -> Any:
+        return value if a is old else a.meta["val"] if isinstance(a, torch.fx.Node) else a
+
+    try:
+        with mode:
+            result = reader.target(*torch.fx.node.map_aggregate(reader.args, to_val),
+                                   **torch.fx.node.map_aggregate(reader.kwargs, to_val))
+    except (RuntimeError, ValueError):
+        return False
+    if not isinstance(result, torch.Tensor):
+        return True
+    if depth == 0:
+        return False  # not followed to its end: copied, to be safe
+    return all(_runs_on(user, reader, result, mode, depth - 1) for user in reader.users)
 
 
 # ----------------------------------------------------------------------------------------------

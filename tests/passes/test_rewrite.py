@@ -487,3 +487,27 @@ def test_pairwise_cosine_never_builds_the_broadcast():
     eager = memplan.measure(lambda: model(x).backward()).peak
     planned = memplan.measure(lambda: opt(x).backward()).peak
     assert planned * 20 <= eager, (planned, eager)
+
+
+class _ProductOfAProjection(nn.Module):
+    """``'bij,bkj->bik'`` written as a broadcast product and a sum, the second operand a projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.k = nn.Linear(32, 32)
+
+    def forward(self, x):
+        k = self.k(x)
+        return (x[:, :, None, :] * k[:, None, :, :]).sum(-1)
+
+
+def test_a_rewritten_gradient_keeps_the_layout_its_readers_were_traced_on():
+    # The batched matmul gives k's gradient transposed; nn.Linear's backward squeezes it and views the
+    # result as a matrix, which only the old, contiguous layout allows: the pass raised a PassError.
+    torch.manual_seed(0)
+    model, x = _ProductOfAProjection().double(), torch.randn(2, 64, 32, dtype=torch.float64, requires_grad=True)
+    opt = memplan.optimize(model)
+    assert_equivalent(model, opt, x)
+    assert_equivalent(model, opt, x, grad=False)
+    assert any(r.name == "rewrite" and r.changed for r in opt.plan.records)
+    assert measure(step_fn(opt, (x,), train=True)).peak <= measure(step_fn(model, (x,), train=True)).peak
