@@ -63,7 +63,6 @@ import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
-from torch.fx.experimental.proxy_tensor import disable_autocast_cache
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.utils.stateless import _reparametrize_module
 
@@ -534,7 +533,8 @@ def capture(
             torch.enable_grad() if train else torch.no_grad(),
             fx_traceback.preserve_node_meta(),
             _use_lazy_graph_module(True),
-            disable_autocast_cache(),
+            # autocast's cache is left on (make_fx turns it off): eager casts a weight once per
+            # autocast block and sums the gradient of that copy, and the plan must be that program
             quiet_meta_failures(),  # an op that fails is re-raised below, naming the user's line
         ):
             flat = tracer.placeholders(real_flat)

@@ -492,7 +492,8 @@ def fuse_accumulations(graph: CapturedGraph) -> tuple[CapturedGraph, int]:
     The product may be seen through transposes (``acc.add_(mm(a, b).t())`` is ``acc.addmm_(b.t(),
     a.t())``, the form of a linear layer's weight gradient). Conditions: the accumulation is
     ``add_.Tensor`` with ``alpha`` 1 writing into ``acc``, not into the product; the product and the
-    transposes are read by nothing else; the product has ``acc``'s shape, dtype and device; nothing
+    transposes are read by nothing else; the product has ``acc``'s shape, dtype and device, a dtype of
+    32 bits or more (in half precision the one rounding of the fused op is visible); nothing
     between the definitions of ``a`` and ``b`` and the accumulation writes them (through any alias).
     A write before the product would be harmless to the values (the product read after it too), but
     the fused op would then read through an alias made before a write, a read the pipeline's check
@@ -535,6 +536,8 @@ def fuse_accumulations(graph: CapturedGraph) -> tuple[CapturedGraph, int]:
             continue
         if (acc_value.shape, acc_value.dtype, acc_value.device) != (value.shape, value.dtype, value.device):
             continue
+        if value.dtype.is_floating_point and torch.finfo(value.dtype).bits < 32:
+            continue  # the fused op rounds the sum once, eager the product and then the sum: in bfloat16 a unit apart
         a, b = product.args[:2]
         if any(_written_between(writes, x, order.get(x, -1), order[node]) for x in (a, b)):
             continue
