@@ -832,13 +832,19 @@ def backward_reads(graph: CapturedGraph) -> list[tuple[str, int, tuple[str, ...]
     return rows
 
 
+class _OverLimit(Exception):
+    """Raised inside :func:`plan_copies` when the copies made cost more than its ``limit``."""
+
+
 def plan_copies(
     groups: Sequence[RecomputeGroup],
     *,
     inputs: Mapping[str, tuple[str, ...]],
     backward: Sequence[tuple[str, int, tuple[str, ...]]],
     units: Mapping[str, tuple[str, ...]] | None = None,
-) -> CopyPlan:
+    flops: Mapping[str, float] | None = None,
+    limit: float | None = None,
+) -> CopyPlan | None:
     """Decide which copies a plan makes and where each goes (see "Apply" in the module docstring).
 
     Parameters
@@ -852,6 +858,9 @@ def plan_copies(
     units : mapping, optional
         In-place units (member -> all members, creator first): a unit is copied whole, as one copy keyed
         by its creator, and its members are read through it.
+    flops, limit : optional
+        FLOPs per node, and a bound on the copies' total: None is returned as soon as the copies made
+        cost more (a plan the caller would refuse, whose copies can number the square of a loop's length).
     """
     units = dict(units or {})
     depth: list[int] = []
@@ -940,7 +949,14 @@ def plan_copies(
             done.add(current)
             order.append(current)
             sources[current] = found[0]
+            if limit is not None:
+                spent[0] += flops.get(current[1], 0)
+                if spent[0] > limit:
+                    raise _OverLimit
 
+    spent = [0.0]  # FLOPs of the copies made, against ``limit``
+    if limit is not None and flops is None:
+        raise ValueError("a limit needs the nodes' flops")
     reads: dict[str, dict[str, int]] = {}
     readers: dict[tuple[int, str], int] = {}
     for name, position, forward in backward:
@@ -953,7 +969,10 @@ def plan_copies(
                 continue
             key = (held, root(value))
             if key not in done:
-                ensure(key)
+                try:
+                    ensure(key)
+                except _OverLimit:
+                    return None
             reads.setdefault(name, {})[value] = held
             if key not in readers or position < readers[key]:
                 readers[key] = position

@@ -434,6 +434,29 @@ class _Steps:
     state: float
     activation: float
     flops: float
+    step_of: Mapping[str, int] = dataclasses.field(default_factory=dict)  # a copyable node -> its step
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _StepNodes:
+    """The copyable nodes of steps ``first`` to ``end - 1``, as a group's ``nodes``: membership by the
+    node's step, without the union of the steps' sets (one state slot over a loop of ``L`` steps nests
+    intervals whose lengths sum to ``L(L+1)/2``)."""
+
+    steps: _Steps
+    first: int
+    end: int
+
+    def __contains__(self, name: object) -> bool:
+        step = self.steps.step_of.get(name)
+        return step is not None and self.first <= step < self.end and name in self.steps.nodes[step]
+
+    def __iter__(self):
+        for step in range(self.first, self.end):
+            yield from self.steps.nodes[step]
+
+    def __len__(self) -> int:
+        return sum(len(self.steps.nodes[step]) for step in range(self.first, self.end))
 
 
 def _describe_steps(graph: CapturedGraph, loop: Loop, facts: RematFacts,
@@ -453,7 +476,9 @@ def _describe_steps(graph: CapturedGraph, loop: Loop, facts: RematFacts,
         activation += sum(facts.nodes[n].save_bytes for n in copyable if facts.nodes[n].first_reader is not None)
         flops += sum(facts.nodes[n].flops for n in copyable)
     count = max(1, len(loop.steps))
-    return _Steps(loop, tuple(nodes), tuple(serves), float(loop.state_bytes), activation / count, flops / count)
+    step_of = {name: t for t, names in enumerate(nodes) for name in names}
+    return _Steps(loop, tuple(nodes), tuple(serves), float(loop.state_bytes), activation / count, flops / count,
+                  step_of)
 
 
 def _schedules(loops: Sequence[_Steps], options: TimestepOptions, cost: np.ndarray) -> list[Schedule]:
@@ -495,10 +520,14 @@ def _groups(loops: Sequence[_Steps], schedule: Schedule, split: np.ndarray) -> t
     groups: list[RecomputeGroup] = []
     for number, s in enumerate(loops):
         base = len(groups)
-        for first, end, parent in schedule_tree(s.loop.iterations, schedule, split):
+        tree = schedule_tree(s.loop.iterations, schedule, split)
+        parents = {parent for _, _, parent in tree}
+        for i, (first, end, parent) in enumerate(tree):
             groups.append(RecomputeGroup(
-                nodes=frozenset().union(*s.nodes[first:end]),
-                serves=frozenset().union(*s.serves[first:end]),
+                nodes=_StepNodes(s, first, end),
+                # A backward node goes through the deepest group that serves it; an interval's parts cover
+                # it, so only the intervals without parts serve (the same reads, without the unions).
+                serves=frozenset() if i in parents else frozenset().union(*s.serves[first:end]),
                 parent=None if parent is None else base + parent,
                 label=f"loop {number} steps {first}-{end - 1}",
             ))
@@ -542,10 +571,20 @@ def plan_timesteps(
     inputs = forward_inputs(graph)
     longest = max(s.loop.iterations for s in loops)
     cost, split = checkpoint_costs(longest, max(options.slots))
-    refused: list[float] = []  # overheads of the schedules the policy can never take
+    refused: list[float] = []  # overheads of the schedules the policy can never take (inf: only over the limit)
+    over: list[tuple[float, tuple[RecomputeGroup, ...]]] = []  # (model's work, groups) of those not counted in full
+    flops = {name: fact.flops for name, fact in facts.nodes.items()}
+    # Without a budget the policy never takes more than max_overhead: a schedule's copies are counted
+    # only until they cost more (one slot over a long loop makes the square of its length).
+    limit = None if policy.budget is not None else policy.max_overhead * max(1, facts.total_flops)
     for schedule in _schedules(loops, options, cost):
         groups = _groups(loops, schedule, split)
-        copies = plan_copies(groups, inputs=inputs, backward=backward, units=facts.units)
+        copies = plan_copies(groups, inputs=inputs, backward=backward, units=facts.units, flops=flops, limit=limit)
+        if copies is None:
+            refused.append(math.inf)
+            work = sum(_model(x.loop.iterations, x.state, x.activation, schedule, cost)[1] * x.flops for x in loops)
+            over.append((work, groups))
+            continue
         extra = sum(facts.nodes[name].flops for _, name in copies.copies)
         label = str(schedule)
         plan = RematPlan(label, stack_reads=reads, groups=groups, units=tuple(dict.fromkeys(copies.units.values())),
@@ -556,11 +595,20 @@ def plan_timesteps(
             continue  # never taken: not simulated
         candidates.append(Candidate(plan, simulation.step_peak(reads, copies), overhead, label))
     if refused and len(candidates) == 1 + bool(reads):
+        # the least overhead, for the note: the schedules over the limit, in the order of the model's work,
+        # each counted only up to the least found so far
+        least = min(refused)
+        for _, groups in sorted(over, key=lambda o: o[0]):
+            bound = None if least == math.inf else least * max(1, facts.total_flops)
+            copies = plan_copies(groups, inputs=inputs, backward=backward, units=facts.units, flops=flops, limit=bound)
+            if copies is not None:
+                least = sum(facts.nodes[name].flops for _, name in copies.copies) / max(1, facts.total_flops)
         # say why the steps are all kept: a user reads this in the plan's notes
         candidates[0] = dataclasses.replace(candidates[0], label=(
             f"keep every step: each of the {len(refused)} schedules recomputes more than max_overhead="
-            f"{policy.max_overhead:g} allows (the least +{min(refused):.1%} of the step's FLOPs); a budget or a "
-            "higher max_overhead lets the pass take one"))
+            f"{policy.max_overhead:g} allows"
+            + f" (the least +{least:.1%} of the step's FLOPs)"
+            + "; a budget or a higher max_overhead lets the pass take one"))
 
     # Step 5 (end): the policy picks among the candidates no other beats on both counts.
     return policy.choose(pareto_front(candidates)), tuple(candidates), tuple(s.loop for s in loops)

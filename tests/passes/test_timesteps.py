@@ -295,3 +295,65 @@ def test_random_loops(seed, ops, steps, stack, max_overhead):
     peak = measured(opt, inputs)  # the first call plans
     planned = opt.plan.planned_peak
     assert planned <= peak <= planned + step_margin(opt.plan.graph)
+
+
+# ----------------------------------------------------------------------------------------------
+# schedules planned without the square of the loop's length
+
+
+def _copy_setup(name):
+    from memplan.passes.remat import after_stack_reads, backward_reads, forward_inputs, plan_stack_reads
+    from memplan.passes.timesteps import _describe_steps
+
+    model, inputs = MODELS[name]()
+    graph = graph_of(model, inputs)
+    am = AnalysisManager(graph)
+    facts = after_stack_reads(RematFacts.compute(graph, am), plan_stack_reads(graph, am))
+    by_seq = {}
+    for node in graph.gm.graph.nodes:
+        if graph.phases.get(node.name) is Phase.BACKWARD and node.name in graph.seq_nr:
+            by_seq.setdefault(graph.seq_nr[node.name], []).append(node.name)
+    loops = [_describe_steps(graph, loop, facts, by_seq) for loop in find_loops(graph, facts, TimestepOptions())]
+    return facts, loops, forward_inputs(graph), backward_reads(graph)
+
+
+@pytest.mark.parametrize("name", ["lstm", "rnn", "latent_gru", "seq2seq"])
+def test_groups_by_step_ranges_copy_what_the_unions_of_their_steps_copy(name):
+    # Groups name their steps' nodes by range, and only the intervals without parts serve: a long loop
+    # under one state slot no longer builds sets whose sizes sum to the square of its length. The copies
+    # are those of the groups built from the unions, every step serving through every interval.
+    from memplan.passes.remat import RecomputeGroup, plan_copies
+    from memplan.passes.timesteps import _groups
+
+    facts, loops, inputs, backward = _copy_setup(name)
+    longest = max(s.loop.iterations for s in loops)
+    cost, split = checkpoint_costs(longest, 3)
+    for schedule in (Schedule(2, 0), Schedule(longest, 1), Schedule(longest, 3), Schedule(4, 2)):
+        lazy = _groups(loops, schedule, split)
+        unions = []
+        for s in loops:
+            base = len(unions)
+            for first, end, parent in schedule_tree(s.loop.iterations, schedule, split):
+                unions.append(RecomputeGroup(frozenset().union(*s.nodes[first:end]), frozenset().union(*s.serves[first:end]),
+                                             None if parent is None else base + parent))
+        assert [set(g.nodes) for g in lazy] == [set(g.nodes) for g in unions]
+        a = plan_copies(lazy, inputs=inputs, backward=backward, units=facts.units)
+        b = plan_copies(unions, inputs=inputs, backward=backward, units=facts.units)
+        assert (a.copies, a.sources, a.anchors, a.reads) == (b.copies, b.sources, b.anchors, b.reads), (name, schedule)
+
+
+def test_copies_are_counted_only_up_to_the_limit():
+    from memplan.passes.remat import plan_copies
+    from memplan.passes.timesteps import _groups
+
+    facts, loops, inputs, backward = _copy_setup("lstm")
+    flops = {name: fact.flops for name, fact in facts.nodes.items()}
+    longest = max(s.loop.iterations for s in loops)
+    cost, split = checkpoint_costs(longest, 1)
+    groups = _groups(loops, Schedule(longest, 1), split)
+    full = plan_copies(groups, inputs=inputs, backward=backward, units=facts.units)
+    total = sum(flops.get(name, 0) for _, name in full.copies)
+    assert total > 0
+    assert plan_copies(groups, inputs=inputs, backward=backward, units=facts.units, flops=flops, limit=total - 1) is None
+    exact = plan_copies(groups, inputs=inputs, backward=backward, units=facts.units, flops=flops, limit=total)
+    assert exact is not None and exact.copies == full.copies
