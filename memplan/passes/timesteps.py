@@ -40,8 +40,10 @@ Stages
     step recomputations); the Pareto front is simulated exactly (``remat.VirtualSimulation``), overhead
     is recomputed FLOPs over the FLOPs of the whole graph, and ``ctx.policy.choose`` picks one (a budget:
     least overhead that fits, or :class:`~memplan.errors.InfeasibleBudgetError` naming the smallest
-    peak; none: lowest peak within ``max_overhead``). The candidate set does not depend on the budget, so
-    the chosen peak is monotonic in the budget.
+    peak; none: lowest peak within ``max_overhead``). A schedule is planned only as far as the policy
+    could take it: its copies are counted until they cost more than ``max_overhead`` (no budget) or than
+    a candidate that already fits the budget, so the choice is the one among all schedules, and the
+    chosen peak is monotonic in the budget.
 (6) Apply the chosen groups with the remat engine (stack reads included).
 
 Preconditions
@@ -576,15 +578,23 @@ def plan_timesteps(
     flops = {name: fact.flops for name, fact in facts.nodes.items()}
     # Without a budget the policy never takes more than max_overhead: a schedule's copies are counted
     # only until they cost more (one slot over a long loop makes the square of its length).
-    limit = None if policy.budget is not None else policy.max_overhead * max(1, facts.total_flops)
-    for schedule in _schedules(loops, options, cost):
+    # With a budget the policy takes the least overhead that fits it: once a candidate fits, a schedule
+    # whose copies cost more can never be taken, and is counted only until they do. Schedules go in the
+    # order of the model's work, so the cheap ones that may fit come first.
+    total = max(1, facts.total_flops)
+    limit = None if policy.budget is not None else policy.max_overhead * total
+    schedules = [(sum(_model(x.loop.iterations, x.state, x.activation, schedule, cost)[1] * x.flops for x in loops), schedule)
+                 for schedule in _schedules(loops, options, cost)]
+    for work, schedule in sorted(schedules, key=lambda w: w[0]):
+        if policy.budget is not None:
+            limit = min((c.overhead * total for c in candidates if c.peak <= policy.budget), default=None)
         groups = _groups(loops, schedule, split)
         copies = plan_copies(groups, inputs=inputs, backward=backward, units=facts.units, flops=flops, limit=limit)
         if copies is None:
-            refused.append(math.inf)
-            work = sum(_model(x.loop.iterations, x.state, x.activation, schedule, cost)[1] * x.flops for x in loops)
-            over.append((work, groups))
-            continue
+            if policy.budget is None:
+                refused.append(math.inf)
+                over.append((work, groups))
+            continue  # never taken: it costs more than max_overhead, or than a candidate that fits the budget
         extra = sum(facts.nodes[name].flops for _, name in copies.copies)
         label = str(schedule)
         plan = RematPlan(label, stack_reads=reads, groups=groups, units=tuple(dict.fromkeys(copies.units.values())),

@@ -357,3 +357,23 @@ def test_copies_are_counted_only_up_to_the_limit():
     assert plan_copies(groups, inputs=inputs, backward=backward, units=facts.units, flops=flops, limit=total - 1) is None
     exact = plan_copies(groups, inputs=inputs, backward=backward, units=facts.units, flops=flops, limit=total)
     assert exact is not None and exact.copies == full.copies
+
+
+@pytest.mark.parametrize("name", ["lstm", "rnn", "seq2seq"])
+def test_a_budget_chooses_among_all_schedules_though_it_plans_fewer(name):
+    # With a budget, schedules that cost more than a candidate already fitting are counted only that
+    # far, and never simulated: the choice is still the one among every schedule.
+    from memplan.passes.remat import pareto_front
+
+    model, inputs = MODELS[name]()
+    graph = graph_of(model, inputs)
+    _, every, _ = plan_timesteps(graph, AnalysisManager(graph), EVERY)
+    peaks = sorted({c.peak for c in every})
+    counts = []
+    for budget in [peaks[0] - 1, *peaks, peaks[-1] + 1]:
+        policy = Policy(budget=budget, when_over="lowest")
+        chosen, simulated, _ = plan_timesteps(graph, AnalysisManager(graph), policy)
+        expected = policy.choose(pareto_front(list(every)))
+        assert (chosen.label, chosen.peak, chosen.overhead) == (expected.label, expected.peak, expected.overhead)
+        counts.append(len(simulated))
+    assert max(counts) == len(every) and min(counts) < len(every)  # none fits the lowest: all are simulated
