@@ -98,6 +98,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -1807,7 +1808,11 @@ def _plan(
                 base_cost = graph_cost(current, opts.rates)
             for variant, sizes in _variants(current, region, opts):
                 fewest = -(-region.units // sizes[0])
-                if policy.budget is None and _overhead_bound(current, variant, opts.rates, fewest) > (policy.max_overhead - spent) * base_cost:
+                # Never taken: without a budget, over max_overhead; with one, dearer than a candidate that
+                # already fits it (the policy takes the least overhead that fits). Not built.
+                allowed = (policy.max_overhead if policy.budget is None else
+                           min((c.overhead for c in candidates if c.peak <= policy.budget), default=math.inf))
+                if _overhead_bound(current, variant, opts.rates, fewest) > (allowed - spent) * base_cost:
                     continue
                 if not _placeable(current, variant):
                     continue

@@ -1042,3 +1042,22 @@ def test_a_sum_over_the_chunked_dimension_is_partial_only_in_single_precision_or
     mul, total = [n for n in g.gm.graph.nodes if n.op == "call_function"]
     answer = chunk_rule(total, {mul: Split(1)}.get)
     assert isinstance(answer, Partial) == (dtype == torch.float32)
+
+
+@pytest.mark.parametrize("name", ["chain_product", "maxsim", "broadcast_matmul"])
+def test_a_budget_chooses_the_regions_it_would_choose_building_every_variant(name, monkeypatch):
+    # With a budget, a variant whose overhead cannot be below that of a candidate already fitting the
+    # budget is not built (the policy takes the least overhead that fits): the plan is the one made
+    # by building every variant.
+    import memplan.passes.chunk as chunk_module
+
+    workload = examples.make(name)
+    graph = dataclasses.replace(capture(workload.model, *workload.inputs, seed="tangents"), lifetimes="graph")
+    base = AnalysisManager(graph).get(PeakSimulation).peak
+    for fraction in (1.2, 0.9, 0.5, 0.2, 0.05):
+        policy = Policy(budget=int(base * fraction), when_over="lowest")
+        pruned = chunk_module.plan_chunk(graph, policy)
+        with monkeypatch.context() as m:
+            m.setattr(chunk_module, "_overhead_bound", lambda *a, **k: 0.0)
+            full = chunk_module.plan_chunk(graph, policy)
+        assert [(r.label, r.chunks) for r in pruned.regions] == [(r.label, r.chunks) for r in full.regions], fraction
