@@ -305,8 +305,28 @@ class OptimizedModule(nn.Module):
         self._value_plans: dict[tuple, list[tuple]] = {}  # plain-value keys per tensor shapes (see _warn_if_values_vary)
         self._last: Plan | None = None
         self.plans_built = 0
+        # Inside a bigger model, the parent's state_dict() asks this module's (which gives the original's
+        # keys) but its load_state_dict() walks into ``model``: its keys are read under either name.
+        self._register_load_state_dict_pre_hook(_keys_of_the_original, with_module=True)
 
     # -- delegation: the optimized module *is* the model for checkpoints ------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        """Attributes of the original module (``opt.encoder``, ``opt.config``) read through this one."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = self.__dict__.get("_modules", {}).get("model")
+            if model is None or name.startswith("__"):
+                raise
+            return getattr(model, name)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies (``copy.deepcopy``, ``pickle``, ``torch.save``) keep the model and the settings, not the
+        plans: a plan holds fake tensors and compiled code, and is made again on the copy's first call."""
+        state = self.__dict__.copy()
+        state.update(_plans={}, _value_plans={}, _last=None)
+        return state
 
     @property
     def original(self) -> nn.Module | Callable[..., Any]:
@@ -451,6 +471,19 @@ class OptimizedModule(nn.Module):
         if walk is not None:
             return [*walk.parameters, *walk.buffers, *tensors]
         return tensors
+
+
+def _keys_of_the_original(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """A load-state-dict pre-hook of :class:`OptimizedModule`: the keys under ``prefix`` that name the
+    original's entries without ``model.`` (what the module's state_dict() gives) are renamed to the
+    module's own, in place (``load_state_dict`` hands its hooks a copy)."""
+    if "model" not in module._modules:
+        return
+    inner = prefix + "model."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        renamed = inner + key[len(prefix):]
+        if renamed not in state_dict:
+            state_dict[renamed] = state_dict.pop(key)
 
 
 def _external_bytes(graph: CapturedGraph) -> int:

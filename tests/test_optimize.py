@@ -755,3 +755,58 @@ def test_batch_norm_running_statistics_are_updated_once_per_step():
     torch.testing.assert_close(planned[2].running_var, eager[2].running_var)
     assert planned[2].num_batches_tracked == eager[2].num_batches_tracked == 2
     assert opt.code.count("native_batch_norm.default(") == 1  # not recomputed in the backward
+
+
+class _WithOptimizedEncoder(nn.Module):
+    """A model of which only one part is optimized."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = memplan.optimize(nn.Sequential(nn.Linear(4, 8), nn.Tanh()))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.encoder(x))
+
+
+def test_a_parent_saves_and_loads_an_optimized_part():
+    # The parent's state_dict() took the optimized module's keys (the original's) while its
+    # load_state_dict() walked into `model`: its own checkpoint failed to load.
+    torch.manual_seed(0)
+    source, x = _WithOptimizedEncoder(), torch.randn(3, 4)
+    source(x).sum().backward()
+    state = source.state_dict()
+    assert "encoder.0.weight" in state
+    target = _WithOptimizedEncoder()
+    target.load_state_dict(state)
+    torch.testing.assert_close(target(x), source(x))
+    target.load_state_dict({k.replace("encoder.", "encoder.model."): v for k, v in state.items()})  # named_parameters' keys
+    torch.testing.assert_close(target(x), source(x))
+
+
+def test_copies_of_a_planned_module_plan_again():
+    # A plan holds fake tensors and compiled code: deepcopy raised on a fake tensor's data pointer and
+    # pickle on a local function, once the module had been called.
+    import io
+    import pickle
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), torch.randn(3, 4)
+    opt = memplan.optimize(model)
+    opt(x).sum().backward()
+    buffer = io.BytesIO()
+    torch.save(opt, buffer)
+    for copied in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        assert copied.plan is None
+        assert_equivalent(copied.original, copied, x)
+        torch.testing.assert_close(copied(x), opt(x))
+    assert opt.plan is not None  # the original keeps its plans
+
+
+def test_attributes_of_the_original_read_through():
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh())
+    model.config = {"width": 8}
+    opt = memplan.optimize(model)
+    assert opt.config == {"width": 8}
+    with pytest.raises(AttributeError):
+        opt.missing_attribute
