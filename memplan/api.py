@@ -473,6 +473,26 @@ class OptimizedModule(nn.Module):
         return tensors
 
 
+def _check_options(options: Mapping[str, Any]) -> None:
+    """Every pass option names a pass that takes options and one of its fields, with a value it takes
+    (a misspelt key was ignored: the option silently did nothing)."""
+    from memplan.passes.arena import ArenaOptions
+    from memplan.passes.chunk import ChunkOptions
+    from memplan.passes.inplace import InplaceOptions
+    from memplan.passes.remat import RematOptions
+    from memplan.passes.timesteps import TimestepOptions
+
+    readers = {"arena": ArenaOptions.from_mapping, "chunk": ChunkOptions.from_options,
+               "inplace": InplaceOptions.from_mapping, "remat": RematOptions.from_mapping,
+               "timesteps": TimestepOptions.from_mapping}
+    for key in options:
+        if not isinstance(key, str) or key.split(".", 1)[0] not in readers or "." not in key:
+            raise ValueError(f"unknown pass option {key!r}: options are named '<pass>.<option>' for the passes "
+                             f"{', '.join(sorted(readers))} (e.g. 'chunk.counts'); each pass's module documents its own")
+    for read in readers.values():
+        read(options)  # an unknown field, or a value of the wrong type, raises naming the valid ones
+
+
 def _keys_of_the_original(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
     """A load-state-dict pre-hook of :class:`OptimizedModule`: the keys under ``prefix`` that name the
     original's entries without ``model.`` (what the module's state_dict() gives) are renamed to the
@@ -596,6 +616,7 @@ def optimize(
             "the module itself, memplan.optimize(model) (a compiled module keeps it as ._orig_mod)."
         )
     names = parse_pipeline(DEFAULT_PIPELINE if passes is None else passes)
+    _check_options(options or {})
     return OptimizedModule(
         model, policy=Policy(budget=budget, max_overhead=max_overhead), passes=names, fallback=fallback, options=options
     )

@@ -84,6 +84,9 @@ class Policy:
             raise ValueError(f"when_over must be 'raise', 'overhead' or 'lowest', not {self.when_over!r}")
         if self.budget is not None:
             object.__setattr__(self, "budget", parse_bytes(self.budget))
+        if isinstance(self.max_overhead, bool) or not isinstance(self.max_overhead, (int, float)):
+            raise TypeError(f"max_overhead must be a number (0.3: up to 30% more compute), not "
+                            f"{type(self.max_overhead).__name__} {self.max_overhead!r}")
         if not self.max_overhead >= 0:
             raise ValueError(f"max_overhead must be >= 0, not {self.max_overhead}")
 

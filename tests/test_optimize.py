@@ -810,3 +810,16 @@ def test_attributes_of_the_original_read_through():
     assert opt.config == {"width": 8}
     with pytest.raises(AttributeError):
         opt.missing_attribute
+
+
+@pytest.mark.parametrize("options", [{"chunk.nests": False}, {"nonexistent.opt": 1}, {"chunk": False},
+                                     {"remat.bann_ops": ()}])
+def test_a_misspelt_pass_option_is_an_error(options):
+    # They were accepted and did nothing.
+    with pytest.raises(ValueError, match="option"):
+        memplan.optimize(nn.Linear(4, 4), options=options)
+
+
+def test_max_overhead_must_be_a_number():
+    with pytest.raises(TypeError, match="max_overhead must be a number"):
+        memplan.optimize(nn.Linear(4, 4), max_overhead="0.1")

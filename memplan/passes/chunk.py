@@ -1255,6 +1255,9 @@ class ChunkOptions:
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> "ChunkOptions":
         fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(k for k in options if k.startswith("chunk.") and k[len("chunk."):] not in fields)
+        if unknown:
+            raise ValueError(f"unknown chunk option(s) {unknown}; valid ones are {sorted('chunk.' + f for f in fields)}")
         picked = {k[len("chunk."):]: v for k, v in options.items() if k.startswith("chunk.") and k[len("chunk."):] in fields}
         options = cls(**picked)
         return dataclasses.replace(options, rates=options.rates.resolved())
