@@ -555,7 +555,7 @@ def capture(
             gc.enable()
 
     # Step 5: read what the trace recorded, once.
-    return _build_captured(
+    captured = _build_captured(
         gm,
         train=train,
         seed=seed,
@@ -573,6 +573,26 @@ def capture(
         differentiable=out_spec_box["differentiable"],
         dense_tangents=out_spec_box.get("dense_tangents", set()),
     )
+    _refuse_random_recomputation(captured)
+    return captured
+
+
+def _refuse_random_recomputation(graph: "CapturedGraph") -> None:
+    """A random op the backward runs is a recomputation of the forward's (``torch.utils.checkpoint``
+    runs the checkpointed function again): eager replays the forward's random state for it, which the
+    trace does not record, so a plan would draw a new dropout mask where eager draws the old one, and
+    compute other gradients. Refused, naming the op and the user's line."""
+    from memplan.graphutil import is_random
+
+    for node in graph.gm.graph.nodes:
+        if node.op == "call_function" and graph.phases.get(node.name) is Phase.BACKWARD and is_random(node):
+            raise CaptureError(
+                f"{graph.describe(node.name)} runs again in the backward, a recomputation such as "
+                "torch.utils.checkpoint's: eager replays the forward's random state there, which memplan "
+                "cannot, so the plan would draw another mask and give other gradients. Fix: call the "
+                "checkpointed function directly (memplan's remat and timesteps passes choose what to "
+                "recompute, and never draw a random op again), or optimize(model, fallback='eager')."
+            )
 
 
 class _Recorder:

@@ -188,6 +188,11 @@ def _run_with_grads(
     return [t.detach() for t in flat], list(grads)
 
 
+def _buffers(model: Any) -> list[tuple[str, torch.Tensor]]:
+    """The named buffers of ``model`` when it is a module."""
+    return list(model.named_buffers()) if isinstance(model, nn.Module) else []
+
+
 def assert_equivalent(
     original: Callable[..., Any],
     optimized: Callable[..., Any],
@@ -201,7 +206,8 @@ def assert_equivalent(
     """Assert that two models give the same outputs and the same gradients.
 
     Both run on fresh copies of ``inputs`` (and of the keyword arguments ``kwargs``) under the same RNG
-    seed; with ``grad=False`` under ``torch.no_grad()``, as inference runs (an optimized module then runs
+    seed, and from the same buffer values (a forward that updates buffers, running statistics or a
+    power iteration's vector, leaves them as one call would; the buffers are compared after the calls); with ``grad=False`` under ``torch.no_grad()``, as inference runs (an optimized module then runs
     its inference plan), and only the outputs are compared. Otherwise gradients are taken with respect
     to every tensor argument that requires grad and every parameter of each model (in ``parameters()``
     order, so an optimized module must expose the original's parameters, as memplan's do), with the same
@@ -213,8 +219,20 @@ def assert_equivalent(
     >>> assert_equivalent(lin, lin, torch.randn(4, 3))
     """
     kwargs = dict(kwargs or {})
+    own_a, own_b = _buffers(original), _buffers(optimized)
+    before = [b.detach().clone() for _, b in own_b]
     out_a, grads_a = _run_with_grads(original, inputs, kwargs, grad, seed)
+    after_a = [b.detach().clone() for _, b in own_a]
+    with torch.no_grad():  # the second model starts from its buffers' values before the first call
+        for (_, b), value in zip(own_b, before):  # (an optimized module holds the original's buffers)
+            b.copy_(value)
     out_b, grads_b = _run_with_grads(optimized, inputs, kwargs, grad, seed)
+    if len(own_a) == len(own_b):  # an optimized module lists the original's buffers, in their order
+        for (name, _), a, (_, b) in zip(own_a, after_a, own_b):
+            try:
+                torch.testing.assert_close(b.detach(), a, rtol=rtol, atol=atol)
+            except AssertionError as e:
+                raise AssertionError(f"buffer {name} differs after the call:\n{e}") from None
     if len(out_a) != len(out_b):
         raise AssertionError(f"the models return {len(out_a)} and {len(out_b)} tensors")
     for i, (a, b) in enumerate(zip(out_a, out_b)):

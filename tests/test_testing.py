@@ -76,3 +76,29 @@ def test_assert_equivalent_without_gradients_compares_what_inference_runs():
     assert_equivalent(model, off_in_inference, x)
     with pytest.raises(AssertionError, match="output 0 differs"):
         assert_equivalent(model, off_in_inference, x, grad=False)
+
+
+def test_models_that_update_their_buffers_start_from_the_same_values():
+    # The first run advanced spectral_norm's power-iteration vector before the second: a model
+    # compared with itself failed.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(16, 32)), nn.ReLU(), nn.Linear(32, 1))
+    x = torch.randn(4, 16)
+    assert_equivalent(model, model, x)
+    assert_equivalent(model, model, x, grad=False)
+
+
+class _Counter(nn.Module):
+    def __init__(self, step):
+        super().__init__()
+        self.step = step
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        self.count.add_(self.step)
+        return x * 2
+
+
+def test_buffers_that_end_apart_are_a_difference():
+    with pytest.raises(AssertionError, match="buffer count differs"):
+        assert_equivalent(_Counter(1.0), _Counter(2.0), torch.randn(3))
