@@ -27,7 +27,9 @@ import dataclasses
 import functools
 import os
 import re
+import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -41,7 +43,9 @@ try:  # fx's private naming and formatting helpers, which the direct code genera
 except ImportError:  # pragma: no cover - another torch: emit writes fx's own code (slower, the same code)
     _custom_builtins = None
 from torch.fx.immutable_collections import immutable_list
+from torch.autograd.graph import get_gradient_edge
 from torch.fx.node import _get_qualified_name
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -103,6 +107,25 @@ def _boxed(root: torch.nn.Module, graph: torch.fx.Graph, name: str) -> torch.fx.
     return _LazyGraphModule(root, graph, class_name=name)
 
 
+@dataclasses.dataclass(eq=False)
+class _HandOff:
+    """A line of the backward that hands gradient ``index`` (``value``) to :func:`_hand_off` once nothing
+    after it reads or writes its storage; the program returns what that gives back."""
+
+    index: int
+    value: torch.fx.Node
+    name: str = "_hand_off"
+
+
+_HANDS = threading.local()  # .sink: the backward running now takes gradients early (see PlanFunction)
+
+
+def _hand_off(index: int, value: Any) -> Any:
+    """``value``, or None when the backward running now has taken it (added it to a ``.grad``)."""
+    sink = getattr(_HANDS, "sink", None)
+    return value if sink is None else sink(index, value)
+
+
 @dataclasses.dataclass
 class _Program:
     """One emitted module as a selection of the joint graph's nodes, in graph order, without copies.
@@ -131,6 +154,9 @@ class _Program:
         graph = torch.fx.Graph()
         env: dict[torch.fx.Node, torch.fx.Node] = {}
         for node, saved in self.items:
+            if isinstance(node, _HandOff):
+                env[node] = graph.call_function(_hand_off, (node.index, env[node.value]))
+                continue
             if saved:
                 env[node] = graph.placeholder(node.name)
                 env[node].meta = dict(node.meta)
@@ -143,8 +169,39 @@ class _Program:
                 # ``mul`` named ``mul_1``, ``mul = Mul`` overwrites ``mul`` before ``mul_1 = mul`` reads
                 # it. Reading each straight into its name has nothing to rename.
                 env[node].target = env[node].name
-        graph.output([env[self.resolve(v)] if isinstance(v, torch.fx.Node) else v for v in self.outputs])
+        graph.output([env[v] if isinstance(v, _HandOff) else env[self.resolve(v)] if isinstance(v, torch.fx.Node) else v
+                      for v in self.outputs])
         return _boxed(root, graph, name)
+
+    def hand_off_gradients(self) -> None:
+        """Hand each output (a gradient) to :func:`_hand_off` right after the last item that reads or
+        writes its storage, and return what it gives back: a gradient the running backward adds to a
+        ``.grad`` itself is freed there, not held to the end (see :class:`PlanFunction`)."""
+        last: dict[Any, int] = {}  # storage (or node, without a fake value) -> last item touching it
+        for i, (node, saved) in enumerate(self.items):
+            touched = [node] if saved or node.op == "placeholder" else [node, *map(self.resolve, node.all_input_nodes)]
+            for value in touched:
+                last[_storage_key(value)] = i
+        after: dict[int, list[_HandOff]] = {}
+        for k, value in enumerate(self.outputs):
+            if isinstance(value, torch.fx.Node):
+                value = self.resolve(value)
+                at = last.get(_storage_key(value))
+                if at is not None:
+                    self.outputs[k] = hand = _HandOff(k, value)
+                    after.setdefault(at, []).append(hand)
+        items = []
+        for i, item in enumerate(self.items):
+            items.append(item)
+            items.extend((hand, False) for hand in after.get(i, ()))
+        self.items = items
+
+
+def _storage_key(node: torch.fx.Node) -> Any:
+    value = node.meta.get("val")
+    if isinstance(value, torch.Tensor):
+        return StorageWeakRef(value.untyped_storage())
+    return node
 
 
 def emit(graph: CapturedGraph) -> Emitted:
@@ -206,6 +263,7 @@ def emit(graph: CapturedGraph) -> Emitted:
             if node.op not in ("placeholder", "output") and node not in forward:
                 bwd.add(node)
         bwd.outputs = flat_output_args[len(model_outputs) :]
+        bwd.hand_off_gradients()
         programs.append((bwd, "MemplanBackward"))
         requires = [i for i, s in enumerate(s for s in graph.inputs if s.kind != "tangent") if s.requires_grad]
         if len(requires) != len(grad_outputs):
@@ -222,7 +280,8 @@ def emit(graph: CapturedGraph) -> Emitted:
     try:
         for program, name in programs:
             source, globals_ = _boxed_source(program)
-            runners.append(_runner(gm, source, globals_, name, (node for node, saved in program.items if not saved)))
+            runners.append(_runner(gm, source, globals_, name, (node for node, saved in program.items
+                                                                if not saved and not isinstance(node, _HandOff))))
     except _Unsupported:
         # Something the direct code generation does not know: fx generates the modules' code.
         built = build_modules()
@@ -287,6 +346,9 @@ class PlanFunction(torch.autograd.Function):
         ctx.emitted = emitted
         ctx.relay = relay
         ctx.n_inputs = len(flat)
+        # the leaves a gradient goes to, for adding it to their .grad early (see _early_accumulation)
+        ctx.leaves = [weakref.ref(flat[i]) if flat[i].is_leaf and flat[i].requires_grad else None
+                      for i in emitted.grad_inputs]
         # Tensors go through autograd's saving; the plain values a graph can save too (a Python number
         # read from a tensor by .item() that the backward reads) are kept on ctx, in their places.
         if emitted.plain_saved:
@@ -326,14 +388,62 @@ class PlanFunction(torch.autograd.Function):
         # the plan's (computed without recording), and asking for their own gradients is refused: a
         # graph recorded through the plan's code would miss every term through the values it saved.
         anchors = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad] if torch.is_grad_enabled() else []
-        with torch.no_grad():
-            grads = emitted.run_backward(args)
+        sink = None if anchors or torch.is_grad_enabled() else _early_accumulation(ctx.leaves)
+        previous, _HANDS.sink = getattr(_HANDS, "sink", None), sink
+        try:
+            with torch.no_grad():
+                grads = emitted.run_backward(args)
+        finally:
+            _HANDS.sink = previous
         if anchors:
             grads = [g if not isinstance(g, torch.Tensor) else _FirstOrderOnly.apply(g, *anchors) for g in grads]
         result: list[Any] = [None] * (2 + ctx.n_inputs)
         for index, grad in zip(emitted.grad_inputs, grads):
             result[2 + index] = grad
         return tuple(result)
+
+
+def _early_accumulation(leaves: Sequence[Any]) -> Callable[[int, Any], Any] | None:
+    """A sink for :func:`_hand_off`: it adds gradient ``k`` to its leaf's ``.grad`` at once, as autograd's
+    AccumulateGrad would after the backward returns, and frees it, where a ``.grad`` already exists
+    (gradient accumulation over micro-batches, ``zero_grad(set_to_none=False)``). Returned to autograd,
+    every such gradient was held to the end of the planned backward: a step above eager's peak by all
+    the parameters' gradients.
+
+    Only where nothing else would see the gradient on its way: no hook on the leaf, a ``.backward()``
+    that accumulates into it (not ``autograd.grad``, not ``inputs=`` leaving it out), no
+    ``torch.distributed`` (its hooks on the accumulators cannot be seen), dense tensors of one shape,
+    dtype and device. None when no gradient qualifies.
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return None
+    taken: dict[int, torch.Tensor] = {}
+    for k, ref in enumerate(leaves):
+        leaf = ref() if ref is not None else None
+        if leaf is None or leaf.grad is None or leaf.grad.layout is not torch.strided:
+            continue
+        if leaf._backward_hooks or getattr(leaf, "_post_accumulate_grad_hooks", None):
+            continue
+        try:
+            if not torch._C._will_engine_execute_node(get_gradient_edge(leaf).node):
+                continue
+        except RuntimeError:  # autograd.grad(): nothing is accumulated
+            return None
+        taken[k] = leaf
+    if not taken:
+        return None
+
+    def sink(k: int, grad: Any) -> Any:
+        leaf = taken.get(k)
+        if leaf is None or not isinstance(grad, torch.Tensor) or grad.layout is not torch.strided:
+            return grad
+        current = leaf.grad
+        if current is None or (current.shape, current.dtype, current.device) != (grad.shape, grad.dtype, grad.device):
+            return grad
+        current.add_(grad)  # AccumulateGrad's own update of an existing .grad outside grad mode
+        return None
+
+    return sink
 
 
 class _Release(torch.autograd.Function):
@@ -655,6 +765,9 @@ def _boxed_source(program: _Program) -> tuple[str, dict[str, Any]]:
             value = resolve(arg)
             reads[value] = None
             return names[value]
+        if kind is _HandOff:
+            reads[arg] = None
+            return names[arg]
         if kind in _REPR_TYPES:
             return repr(arg)
         if kind is tuple:
@@ -668,6 +781,15 @@ def _boxed_source(program: _Program) -> tuple[str, dict[str, Any]]:
         raise _Unsupported(f"argument of type {kind.__name__}")
 
     for node, saved in program.items:
+        if isinstance(node, _HandOff):  # fx writes graph.call_function(_hand_off, (index, value)) so
+            names[node] = name = graph_names.create_name(graph._target_to_str(_hand_off), None)
+            function = builtins.create_name(_get_qualified_name(_hand_off), _hand_off)
+            globals_[function] = _hand_off
+            reads = {}
+            lines.append(f"{name} = {function}({node.index}, {code(node.value, reads)})")
+            keys.append(node)
+            inputs.append(reads)
+            continue
         if node.type is not None or node.meta.get("is_wrapped", False):
             raise _Unsupported("type annotation or wrapped function")
         if saved:

@@ -347,3 +347,56 @@ def test_output_hooks_and_retained_gradients_see_the_real_gradient():
     model.zero_grad(set_to_none=True)
     (out * weight).sum().backward()
     torch.testing.assert_close(model.head.weight.grad, first)
+
+
+def _accumulating_model():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(4)], nn.Linear(256, 10))
+
+
+def test_gradients_added_to_existing_grads_are_freed_as_they_are_made():
+    # With .grad already there (the second micro-batch of gradient accumulation), autograd adds the
+    # plan's gradients only after its whole backward returned: all of them were alive at once, a step
+    # 1.67x eager's peak (5x after zero_grad(set_to_none=False)). Now each is added as it is made.
+    model = _accumulating_model()
+    xs, ys = [torch.randn(8, 256) for _ in range(2)], [torch.randint(0, 10, (8,)) for _ in range(2)]
+    opt = memplan.optimize(model)
+
+    def accumulate(m):
+        def run():
+            model.zero_grad(set_to_none=True)
+            for x, y in zip(xs, ys):
+                torch.nn.functional.cross_entropy(m(x), y).backward()
+        return run
+
+    accumulate(opt)()
+    planned = [p.grad.clone() for p in model.parameters()]
+    accumulate(model)()
+    for got, expected in zip(planned, [p.grad for p in model.parameters()]):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    eager, measured = memplan.measure(accumulate(model)).peak, memplan.measure(accumulate(opt)).peak
+    assert measured <= eager
+
+
+def test_gradients_go_through_autograd_where_something_watches_them():
+    # A hook on a parameter, autograd.grad, and backward(inputs=...) leaving a parameter out: autograd's
+    # own accumulation (or none) must happen, never the plan's.
+    model, x = _accumulating_model(), torch.randn(4, 256)
+    opt = memplan.optimize(model)
+    first, last = model[0][0].weight, model[-1].weight
+    opt(x).sum().backward()
+    before = {p: p.grad.clone() for p in model.parameters()}
+    seen = []
+    handle = first.register_hook(lambda g: seen.append(g.clone()))
+    opt(x).sum().backward()
+    handle.remove()
+    torch.testing.assert_close(seen[0], before[first], rtol=0, atol=0)  # the same batch: the same gradient
+    for p in model.parameters():
+        torch.testing.assert_close(p.grad, 2 * before[p])
+    grads = torch.autograd.grad(opt(x).sum(), [first])  # .grad untouched
+    torch.testing.assert_close(grads[0], before[first], rtol=0, atol=0)
+    for p in model.parameters():
+        torch.testing.assert_close(p.grad, 2 * before[p])
+    opt(x).sum().backward(inputs=[last])  # only last accumulates
+    torch.testing.assert_close(last.grad, 3 * before[last])
+    torch.testing.assert_close(first.grad, 2 * before[first])
