@@ -46,7 +46,10 @@ def _bench(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))
     else:
-        Console().print(result)
+        out = Console()
+        if not out.is_terminal:  # piped or redirected: rich would squeeze the table into 80 columns
+            out = Console(width=max(out.width, 200))
+        out.print(result)
     if args.check:
         bad = [r for r in result.rows if abs(r.prediction_ratio - 1) > 0.05]
         for row in bad:
@@ -128,11 +131,16 @@ def load_target(spec: str, size: str = "small", device: str = "cpu"):
 
 
 def _report(args: argparse.Namespace) -> int:
+    import pathlib
+
     from rich.console import Console
 
     from memplan.api import optimize
     from memplan.steps import step_fn
 
+    out = pathlib.Path(args.out)
+    if not out.parent.is_dir():  # said before planning, which can take a while
+        raise SystemExit(f"memplan report: cannot write {out}: no such directory {out.parent}")
     name, model, inputs = load_target(args.target, size=args.size, device=args.device)
     opt = optimize(model, passes=args.passes if args.passes != "default" else None)
     step_fn(opt, inputs, train=args.mode == "train")()
@@ -185,8 +193,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from memplan.errors import MemplanError
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except MemplanError as exc:  # the model's or the budget's problem, said with its fix: no traceback
+        print(f"memplan {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -57,3 +57,28 @@ def test_each_function_is_timed_in_blocks_of_its_own_calls_after_an_untimed_one(
     medians = interleaved_medians(fns, 6, torch.device("cpu"), block=4)
     assert len(medians) == 3
     assert calls == list("aaaaabbbbbccccc" + "aaabbbccc")  # blocks of 4 then 2, each after one untimed call
+
+
+def test_cli_table_keeps_its_numbers_when_piped(capsys):
+    # Printed to a pipe, the table was squeezed to 80 columns: every number became "5…".
+    assert main(["bench", "broadcast_matmul", "--mode", "train", "--repeats", "1", "--passes", "rewrite", "--no-baselines"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out and "broadcast_matmul" in out and "MiB" in out
+
+
+def test_cli_says_a_capture_error_in_one_line(tmp_path, capsys):
+    (tmp_path / "bad.py").write_text(
+        "import torch\n"
+        "class Bad(torch.nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        if x.sum() > 0:\n"
+        "            return x * 2\n"
+        "        return x\n"
+        "def make():\n"
+        "    return Bad(), (torch.randn(3),)\n"
+    )
+    assert main(["analyze", f"{tmp_path / 'bad.py'}:make"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("memplan analyze: CaptureError:") and "Traceback" not in err and "bad.py:4" in err
+    with pytest.raises(SystemExit, match="no such directory"):
+        main(["report", f"{tmp_path / 'bad.py'}:make", "--out", str(tmp_path / "missing" / "r.html")])
