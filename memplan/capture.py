@@ -1133,6 +1133,14 @@ def _capture_error(model: Any, exc: BaseException, graph: torch.fx.Graph | None 
             "rather than sum(y.tolist()), torch.where for a branch), move it outside the model, or pass "
             'fallback="eager" to memplan.optimize to run this model eagerly.'
         )
+    if isinstance(exc, RuntimeError) and any(frame.name in ("numpy", "__array__") for frame in frames) \
+            or "not supported for tensor subclasses" in str(exc):
+        return CaptureError(
+            f"memplan cannot capture {name}: it reads a tensor's values into numpy or another library{at} "
+            "(.numpy(), np.asarray(t)); a plan is traced over tensors that hold no values. Fix: keep the "
+            "computation in tensor ops (t.mean() rather than t.numpy().mean()), move it outside the model, or "
+            'pass fallback="eager" to memplan.optimize to run this model eagerly.'
+        )
     if isinstance(exc, GeneratorArgumentError):
         return CaptureError(
             f"memplan cannot capture {name}: an op draws random numbers from a torch.Generator of its own{at}. "

@@ -785,3 +785,21 @@ def test_a_random_op_recomputed_by_a_checkpoint_is_refused():
         eager_fallback(x)
     model.eval()  # no dropout: the checkpoint's recomputation is deterministic, and planned
     assert_equivalent(model, optimize(model), x)
+
+
+class _ReadsIntoNumpy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h * float(h.detach().numpy().mean())
+
+
+def test_reading_values_into_numpy_is_named_as_such():
+    # The message relayed torch's "not supported for tensor subclasses" and told the user to check that
+    # the model runs eagerly, which it does.
+    with pytest.raises(CaptureError, match=r"reads a tensor's values into numpy.*\.numpy\(\)\.mean\(\)") as info:
+        capture(_ReadsIntoNumpy(), torch.randn(2, 4))
+    assert "runs eagerly with these inputs" not in str(info.value)
