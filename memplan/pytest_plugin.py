@@ -41,6 +41,7 @@ def assert_peak(fn: Callable[..., Any], *args: Any, max_bytes: int, **kwargs: An
     >>> assert_peak(lambda x: x * 2, torch.ones(256), max_bytes=1024).peak
     1024
     """
+    __tracebackhide__ = True  # a failure points at the test, not at the plugin
     m = measure(fn, *args, **kwargs)
     if m.peak > max_bytes:
         raise AssertionError(
