@@ -443,6 +443,7 @@ class PassManager:
             if peak <= budget:
                 return result
         holders = _holders(lowest)
+        margin = step_margin(graph) if graph.training else 0
         # memplan's own passes that could lower a peak and are not in the pipeline (arena only places
         # what is live)
         missing = [name for name in sorted(_REGISTRY) if name not in self.passes and name != "arena"
@@ -450,6 +451,8 @@ class PassManager:
         raise InfeasibleBudgetError(
             f"no plan of the pipeline {','.join(self.passes) or '(empty)'} fits the budget of "
             f"{format_bytes(budget)}: the smallest peak its plans reach is {format_bytes(smallest)}"
+            + (f" (a whole training step as memplan.measure counts it: the plan's {format_bytes(smallest - margin)} "
+               f"and {format_bytes(margin)} of the step's loss and its gradient)" if margin else "")
             + (f", held there by {'; '.join(holders)}" if holders else "") + ". Fix: raise the budget, "
             "lower the batch size" + (f", or add the passes {', '.join(missing)}" if missing else "") + ".",
             smallest=smallest,

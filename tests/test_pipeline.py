@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 import torch
 
+import memplan
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation, step_margin
 from memplan.analysis.tensors import Tensors
@@ -381,3 +382,17 @@ def test_the_regions_chunk_takes_share_one_overhead_allowance(name):
         opt = optimize(model, passes="rewrite,chunk", max_overhead=max_overhead)
         opt(*inputs)
         assert opt.plan.records[-1].stats.recompute_added <= max_overhead + 1e-9
+
+
+def test_a_refused_budget_says_the_smallest_step_in_the_plans_terms():
+    # A budget equal to the plan's predicted peak was refused with a "smallest peak" a few bytes above
+    # it, with no word of why: budgets count the step's loss and its gradient too.
+    from memplan.errors import InfeasibleBudgetError
+
+    model, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
+    planned = memplan.optimize(model)
+    planned(x)
+    with pytest.raises(InfeasibleBudgetError, match=r"the plan's 112 B and 8 B of the step's loss") as caught:
+        memplan.optimize(model, budget=planned.plan.planned_peak)(x)
+    assert caught.value.smallest == planned.plan.planned_peak + 8
+    memplan.optimize(model, budget=planned.plan.planned_peak + 8)(x)
