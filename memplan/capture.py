@@ -536,6 +536,7 @@ def capture(
             # autocast's cache is left on (make_fx turns it off): eager casts a weight once per
             # autocast block and sums the gradient of that copy, and the plan must be that program
             quiet_meta_failures(),  # an op that fails is re-raised below, naming the user's line
+            _python_random_refused(),
         ):
             flat = tracer.placeholders(real_flat)
             with tracer:
@@ -575,6 +576,43 @@ def capture(
     )
     _refuse_random_recomputation(captured)
     return captured
+
+
+class PythonRandomError(RuntimeError):
+    """Raised inside a trace when the traced code draws from Python's ``random`` module."""
+
+
+# Python's random draws: a value drawn while tracing would be a constant of the plan, the same at every call
+_PYTHON_RANDOM = ("random", "uniform", "randint", "randrange", "choice", "choices", "shuffle", "sample", "gauss",
+                  "normalvariate", "lognormvariate", "betavariate", "expovariate", "gammavariate", "triangular",
+                  "vonmisesvariate", "paretovariate", "weibullvariate", "getrandbits")
+
+
+@contextlib.contextmanager
+def _python_random_refused() -> Iterator[None]:
+    """While this thread traces, a draw from Python's ``random`` module raises :class:`PythonRandomError`
+    (a plan would hold the value drawn at capture and give it at every call, where eager draws anew)."""
+    import random
+    import threading
+
+    tracing = threading.get_ident()
+    originals = {name: getattr(random, name) for name in _PYTHON_RANDOM if hasattr(random, name)}
+
+    def refusing(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def draw(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() == tracing:
+                raise PythonRandomError(f"random.{name}() called in the traced code")
+            return function(*args, **kwargs)
+        return draw
+
+    for name, function in originals.items():
+        setattr(random, name, refusing(name, function))
+    try:
+        yield
+    finally:
+        for name, function in originals.items():
+            setattr(random, name, function)
 
 
 def _refuse_random_recomputation(graph: "CapturedGraph") -> None:
@@ -1140,6 +1178,13 @@ def _capture_error(model: Any, exc: BaseException, graph: torch.fx.Graph | None 
             "(.numpy(), np.asarray(t)); a plan is traced over tensors that hold no values. Fix: keep the "
             "computation in tensor ops (t.mean() rather than t.numpy().mean()), move it outside the model, or "
             'pass fallback="eager" to memplan.optimize to run this model eagerly.'
+        )
+    if isinstance(exc, PythonRandomError):
+        return CaptureError(
+            f"memplan cannot capture {name}: it draws from Python's random module{at} ({exc}). A plan would "
+            "keep the value drawn while capturing and give it at every call, where eager draws anew. Fix: draw "
+            "with torch (torch.rand(()) < p, torch.randint), which a plan draws at every call, or pass the "
+            'value in as an argument, or pass fallback="eager" to memplan.optimize to run this model eagerly.'
         )
     if isinstance(exc, GeneratorArgumentError):
         return CaptureError(

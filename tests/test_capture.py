@@ -803,3 +803,24 @@ def test_reading_values_into_numpy_is_named_as_such():
     with pytest.raises(CaptureError, match=r"reads a tensor's values into numpy.*\.numpy\(\)\.mean\(\)") as info:
         capture(_ReadsIntoNumpy(), torch.randn(2, 4))
     assert "runs eagerly with these inputs" not in str(info.value)
+
+
+class _PythonRandomScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        import random
+
+        return self.lin(x) * random.random()
+
+
+def test_a_draw_from_python_random_is_refused():
+    # The value drawn while capturing became a constant of the plan: every call gave the same output,
+    # with no word.
+    import random
+
+    with pytest.raises(CaptureError, match=r"draws from Python's random module.*random\.random\(\)"):
+        optimize(_PythonRandomScale())(torch.randn(2, 4))
+    assert 0 <= random.random() < 1  # the module is given back
