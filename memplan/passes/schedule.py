@@ -24,7 +24,11 @@ Stages
     post-order that evaluates the operand needing the most memory first).
     Ties are broken by original position everywhere, so the result is deterministic.
 (3) Choose: the candidate with the lowest simulated peak; the original order wins ties, so a graph
-    whose order does not matter is left untouched (``changed=False``).
+    whose order does not matter is left untouched (``changed=False``). The peaks are those of a step
+    seeded as ``.sum()`` seeds it (a broadcast scalar per output); a candidate that would raise the peak
+    of a step whose loss is outside the model (dense gradients of the outputs, alive from the start of
+    the backward to their last reader: :meth:`ScheduleProblem.simulate_dense`) above the input order's
+    is not taken, so a cross-entropy over the logits never pays for an order made for ``.sum()``.
 (4) Apply: move the ``call_function`` nodes into the chosen order (placeholders stay first, the
     output last) and recompile.
 
@@ -171,6 +175,17 @@ class ScheduleProblem:
             self.to_end.append(to_end)
             touchers.append(readers - {creator})
 
+        # The gradients of the outputs as a loss outside the model sends them: dense, alive from the start
+        # of the backward to their last reader (see simulate_dense). Planned with the seed a .sum() sends
+        # (a broadcast scalar), they cost nothing in the other storages.
+        self.tangents: list[tuple[int, list[int]]] = []  # (dense bytes, nodes reading it)
+        for spec in graph.inputs:
+            value = by_name[spec.node].meta.get("val") if spec.kind == "tangent" else None
+            if isinstance(value, torch.Tensor):
+                readers = set().union(*(readers_of_sid.get(sid, set()) for sid in tensors.storages_of(spec.node)))
+                if readers:
+                    self.tangents.append((value.numel() * value.element_size(), sorted(readers)))
+
         # Step 1b: writers stay between the earlier and the later readers of what they write.
         ordered: list[int] = []
         writers_of_sid: dict[int, set[int]] = {}
@@ -222,9 +237,27 @@ class ScheduleProblem:
         is freed. Vectorised over the storages (``np.maximum.at``) and the positions (``cumsum``);
         the byte counts are exact as int64 (they would have to exceed 8 EiB to overflow).
         """
-        shared = self._shared
         if self.n == 0:
             return 0
+        return max(0, int(self._live(order)[0].max()))
+
+    def simulate_dense(self, order: Sequence[int]) -> int:
+        """:meth:`simulate` with the outputs' gradients dense, as a loss outside the model sends them
+        (a cross-entropy over the logits): each alive from the first backward node to its last reader."""
+        if self.n == 0:
+            return 0
+        live, position = self._live(order)
+        if self.tangents:
+            extra = np.zeros(self.n + 1, dtype=np.int64)
+            for nbytes, readers in self.tangents:
+                extra[self.n_forward] += nbytes
+                extra[int(position[readers].max()) + 1] -= nbytes
+            live = live + np.cumsum(extra[:-1])
+        return max(0, int(live.max()))
+
+    def _live(self, order: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Bytes live right after each position allocates, and each node's position."""
+        shared = self._shared
         order, position = _positions(order)
         dies = position[shared.creator]
         np.maximum.at(dies, shared.toucher_storage, position[shared.toucher])
@@ -233,7 +266,7 @@ class ScheduleProblem:
         # live after the node at p allocates = everything allocated up to p - everything freed before p
         live = np.cumsum(shared.alloc[order])
         live[1:] -= np.cumsum(freed_at[:-1])
-        return max(0, int(live.max()))
+        return live, position
 
     def is_valid(self, order: Sequence[int]) -> bool:
         """True when ``order`` respects every dependency and the phase boundary."""
@@ -556,6 +589,7 @@ def plan_schedule(
     problem = ScheduleProblem(graph, am)
     # Step 2: candidate orders, each checked and simulated.
     best_name, best_order, best_peak = "", None, None
+    dense_limit = None  # the input order's peak with dense output gradients
     peaks = []
     for name in strategies:
         order = STRATEGIES[name](problem)
@@ -563,7 +597,14 @@ def plan_schedule(
             continue  # a strategy may only ever produce valid orders; never take the risk
         peak = problem.simulate(order)
         peaks.append((name, peak))
-        # Step 3: strictly lower wins; ties keep the earlier candidate (the original first).
+        # Step 3: strictly lower wins; ties keep the earlier candidate (the original first). An order
+        # is not taken when it would raise the peak of a step whose loss is outside the model (dense
+        # output gradients) above the input order's: the plan is made with a .sum()'s broadcast seed,
+        # and must not cost a cross-entropy over the logits more than eager's order does.
+        if name == "original":
+            dense_limit = problem.simulate_dense(order)
+        elif best_peak is not None and peak < best_peak and problem.simulate_dense(order) > dense_limit:
+            continue
         if best_peak is None or peak < best_peak:
             best_name, best_order, best_peak = name, order, peak
     return SchedulePlan(tuple(problem.names[i] for i in best_order), best_name, tuple(peaks))
