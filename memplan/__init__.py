@@ -13,6 +13,7 @@ from memplan.capture import CapturedGraph
 from memplan.errors import (
     CaptureError,
     HigherOrderGradientError,
+    OutputGradientHookError,
     InfeasibleBudgetError,
     MemplanError,
     PassError,
@@ -36,6 +37,7 @@ __all__ = [
     "MemplanError",
     "CaptureError",
     "HigherOrderGradientError",
+    "OutputGradientHookError",
     "UnsupportedInputError",
     "UnsupportedNodeError",
     "InfeasibleBudgetError",

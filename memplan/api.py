@@ -226,6 +226,7 @@ def _signature(model: Any, leaves: Sequence[Any], spec: pytree.TreeSpec, walk: _
         params += tuple((tuple(b.shape), b.dtype, b.device) for b in walk.buffers)
         state = tuple(_module_state_key(m) for m in walk.modules)
     autocast = tuple((kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda") if torch.is_autocast_enabled(kind))
+    autocast += (torch.is_autocast_cache_enabled(),)  # casts cached once per block, or made at every use
     return (spec, tensors, params, state, torch.is_grad_enabled(), autocast)
 
 

@@ -50,7 +50,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.capture import CapturedGraph, Phase
-from memplan.errors import HigherOrderGradientError
+from memplan.errors import HigherOrderGradientError, OutputGradientHookError
 from memplan.opschema import GRAD_MODE_OPS
 
 __all__ = ["Emitted", "emit", "PlanFunction", "run_training"]
@@ -74,6 +74,10 @@ class Emitted:
     plain_saved: tuple[int, ...]
     tangents: tuple[tuple[torch.Size, torch.dtype, torch.device], ...]  # per differentiable output
     dense_tangents: tuple[bool, ...]  # per differentiable output: its tangent must reach the backward dense
+    # per gradient the backward returns: the tangents (bit j: the j-th differentiable output's) it reads
+    # through any op; with none of them sent, autograd gives the input no gradient (None), not zeros
+    grad_tangents: tuple[int, ...]
+    read_inside: frozenset[int]  # differentiable output positions the forward also reads (their gradient has an inside part)
     run_forward: Callable[[list[Any]], Any] = dataclasses.field(repr=False, compare=False)
     run_backward: Callable[[list[Any]], Any] | None = dataclasses.field(repr=False, compare=False)
     # () -> (forward, backward): builds the GraphModules (see the module docstring).
@@ -300,10 +304,27 @@ def emit(graph: CapturedGraph) -> Emitted:
                           if not (n.meta.get("val") is None or isinstance(n.meta.get("val"), torch.Tensor))),
         tangents=tuple((t.shape, t.dtype, t.device) for t in tangents),
         dense_tangents=tuple(model_outputs[i].dense_tangent for i in differentiable),
+        read_inside=frozenset(i for i in differentiable if isinstance(flat_output_args[i], torch.fx.Node)
+                              and any(u.op != "output" and u in forward for u in flat_output_args[i].users)),
+        grad_tangents=_tangent_masks(nodes, [n for n in placeholders if n.name in tangent_names],
+                                     flat_output_args[len(model_outputs):]) if graph.training else (),
         run_forward=runners[0],
         run_backward=runners[1] if len(runners) > 1 else None,
         build_modules=build_modules,
     )
+
+
+def _tangent_masks(nodes: Sequence[torch.fx.Node], tangents: Sequence[torch.fx.Node], grads: Sequence[Any]) -> tuple[int, ...]:
+    """Per gradient output, the tangents it depends on, as a bit mask (bit j: ``tangents[j]``)."""
+    mask: dict[torch.fx.Node, int] = {t: 1 << j for j, t in enumerate(tangents)}
+    for node in nodes:
+        if node.op in ("call_function", "call_module"):
+            bits = 0
+            for arg in node.all_input_nodes:
+                bits |= mask.get(arg, 0)
+            if bits:
+                mask[node] = bits
+    return tuple(mask.get(g, 0) if isinstance(g, torch.fx.Node) else 0 for g in grads)
 
 
 def run_training(emitted: Emitted, flat: Sequence[torch.Tensor]) -> list[Any]:
@@ -325,7 +346,7 @@ class _Relay:
     """Carries one call's outputs from :class:`PlanFunction` to :class:`_Release`, and their
     gradients back (each taken once, so the relay holds nothing after)."""
 
-    __slots__ = ("outputs", "inputs", "differentiable", "grads", "token")
+    __slots__ = ("outputs", "inputs", "differentiable", "grads", "token", "read_inside", "given")
 
     def __init__(self) -> None:
         self.outputs: list[Any] | None = None
@@ -333,6 +354,8 @@ class _Relay:
         self.differentiable: frozenset[int] = frozenset()  # output positions that take a gradient
         self.grads: tuple[Any, ...] | None = None
         self.token: tuple[torch.dtype, torch.device] | None = None
+        self.read_inside: frozenset[int] = frozenset()
+        self.given: dict[int, Any] = {}
 
 
 class PlanFunction(torch.autograd.Function):
@@ -360,6 +383,7 @@ class PlanFunction(torch.autograd.Function):
         relay.outputs = outputs
         relay.inputs = frozenset(id(x) for x in flat)
         relay.differentiable = frozenset(emitted.differentiable)
+        relay.read_inside = emitted.read_inside
         like = next((t for t in (*outputs, *flat) if isinstance(t, torch.Tensor)), None)
         device = like.device if like is not None else torch.device("cpu")
         relay.token = (torch.float32, device)
@@ -370,6 +394,7 @@ class PlanFunction(torch.autograd.Function):
         emitted: Emitted = ctx.emitted
         relay: _Relay = ctx.relay
         grad_outputs, relay.grads = relay.grads, None
+        grad_outputs_sent = [g is not None for g in grad_outputs] if grad_outputs is not None else [False] * emitted.n_outputs
         args: list[Any] = list(ctx.saved_tensors)
         for i in emitted.plain_saved:  # ascending: each goes back to its place
             args.insert(i, ctx.plain_values[i])
@@ -398,8 +423,11 @@ class PlanFunction(torch.autograd.Function):
         if anchors:
             grads = [g if not isinstance(g, torch.Tensor) else _FirstOrderOnly.apply(g, *anchors) for g in grads]
         result: list[Any] = [None] * (2 + ctx.n_inputs)
-        for index, grad in zip(emitted.grad_inputs, grads):
-            result[2 + index] = grad
+        sent = sum(1 << j for j, i in enumerate(emitted.differentiable) if grad_outputs_sent[i])
+        for index, grad, needs in zip(emitted.grad_inputs, grads, emitted.grad_tangents or (0,) * len(grads)):
+            # an input reached only through outputs the loss does not reach gets None, as in eager (an
+            # optimizer skips it), not the zeros the plan computed from broadcast zero tangents
+            result[2 + index] = None if needs and not needs & sent else grad
         return tuple(result)
 
 
@@ -464,12 +492,20 @@ class _Release(torch.autograd.Function):
             if id(outputs[i]) in taken:
                 outputs[i] = outputs[i].detach()
         # An input (or parameter) returned as it is would be given this node as its grad_fn, in place:
-        # it is returned as a view, as autograd returns an input a function gives back.
+        # it is returned as a view, as autograd returns an input a function gives back. A view the plan
+        # made (``y.t()``) is given out as a tensor of its own on the same memory: autograd forbids
+        # in-place writes into a view a custom function returns, where eager allows them (a write into
+        # memory the backward saved is still caught by the saved tensor's version check).
         for i in differentiable:
-            if isinstance(outputs[i], torch.Tensor) and id(outputs[i]) in relay.inputs:
-                outputs[i] = outputs[i].view_as(outputs[i])
+            if isinstance(outputs[i], torch.Tensor):
+                if id(outputs[i]) in relay.inputs:
+                    outputs[i] = outputs[i].view_as(outputs[i])
+                elif outputs[i]._base is not None:
+                    outputs[i] = outputs[i].detach()
         if plain:
             ctx.mark_non_differentiable(*[outputs[i] for i in plain])
+        # the outputs the forward also reads, as given out: a hook on one is refused in the backward
+        relay.given = {i: weakref.ref(outputs[i]) for i in relay.read_inside if isinstance(outputs[i], torch.Tensor)}
         # Autograd would otherwise allocate a zero gradient for every output the loss does not reach,
         # the non-differentiable ones included (an argmax returned beside the loss), which eager never
         # makes; the backward reads a broadcast zero for those it takes a tangent for.
@@ -479,6 +515,16 @@ class _Release(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
         relay: _Relay = ctx.relay
+        for i, ref in relay.given.items():
+            output = ref()
+            if output is not None and (output._backward_hooks or output.retains_grad):
+                raise OutputGradientHookError(
+                    f"output {i} of the optimized model has a hook or retain_grad(), and the model also reads "
+                    "it inside: its gradient there is added by the plan's backward, so the hook would see (and "
+                    "change) only the part from outside the model, where eager gives it the whole. Fix: hook "
+                    "or retain a copy the model does not read (return h.clone() beside h), or compute the "
+                    "hooked value outside the optimized module."
+                )
         relay.grads = grad_outputs
         dtype, device = relay.token
         return None, torch.empty(0, dtype=dtype, device=device)

@@ -53,3 +53,8 @@ class HigherOrderGradientError(MemplanError, RuntimeError):
     """A gradient of a plan's gradients was asked for (``create_graph=True``): a plan computes
     first-order gradients from values it saved without autograd, so their own gradients would miss
     every term through those values."""
+
+
+class OutputGradientHookError(MemplanError, RuntimeError):
+    """A hook or ``retain_grad()`` on an output the model also reads inside: the plan's backward adds
+    the gradient of the inside path itself, so the hook would see, and change, only the outside part."""

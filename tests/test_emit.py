@@ -400,3 +400,82 @@ def test_gradients_go_through_autograd_where_something_watches_them():
     opt(x).sum().backward(inputs=[last])  # only last accumulates
     torch.testing.assert_close(last.grad, 3 * before[last])
     torch.testing.assert_close(first.grad, 2 * before[first])
+
+
+class _ReturnsItsHidden(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(12, 12), nn.Linear(12, 6)
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(x))
+        return self.l2(h), h
+
+
+def test_a_hook_on_an_output_the_model_also_reads_is_refused():
+    # The plan's backward adds the inside path's gradient itself: h.retain_grad() saw only the outside
+    # part, and a hook returning 3 * g changed only that part (l1's weight gradient off by 4.8).
+    torch.manual_seed(0)
+    model, x = _ReturnsItsHidden(), torch.randn(5, 12)
+    opt = memplan.optimize(model)
+    a, h = opt(x)
+    h.register_hook(lambda g: g * 3)
+    with pytest.raises(memplan.OutputGradientHookError, match="also reads it inside"):
+        (a.square().sum() + h.sum()).backward()
+    a, h = opt(x)  # without a hook, the same step is the model's
+    (a.square().sum() + h.sum()).backward()
+    assert_equivalent(model, opt, x)
+
+
+class _ReturnsAView(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(12, 12)
+
+    def forward(self, x):
+        return (self.l1(x) * 2).t()
+
+
+def test_an_output_that_is_a_view_can_be_written_in_place():
+    # autograd refused in-place writes into a view a custom function returns; eager allows them.
+    torch.manual_seed(0)
+    model, x = _ReturnsAView(), torch.randn(5, 12)
+    opt = memplan.optimize(model)
+    grads = []
+    for m in (model, opt):
+        model.zero_grad(set_to_none=True)
+        out = m(x)
+        out.mul_(3)
+        out.square().sum().backward()
+        grads.append(model.l1.weight.grad.clone())
+    torch.testing.assert_close(grads[1], grads[0])
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(12, 12), nn.Linear(12, 6)
+
+    def forward(self, x):
+        return self.l1(x), self.l2(x)
+
+
+def test_parameters_the_loss_does_not_reach_get_no_gradient():
+    # The plan gave l2 a gradient of zeros where eager gives None: optimizers then step it (Adam's
+    # momentum, AdamW's decay).
+    model, x = _TwoHeads(), torch.randn(5, 12)
+    opt = memplan.optimize(model)
+    first, _ = opt(x)
+    first.sum().backward()
+    assert model.l2.weight.grad is None and model.l2.bias.grad is None
+    assert model.l1.weight.grad is not None
+
+
+def test_the_autocast_cache_setting_is_part_of_the_signature():
+    model, x = nn.Linear(8, 8), torch.randn(4, 8)
+    opt = memplan.optimize(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        opt(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            opt(x)
+    assert opt.plans_built == 2
