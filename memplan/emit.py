@@ -118,7 +118,6 @@ class _HandOff:
 
     index: int
     value: torch.fx.Node
-    name: str = "_hand_off"
 
 
 _HANDS = threading.local()  # .sink: the backward running now takes gradients early (see PlanFunction)
@@ -353,7 +352,7 @@ class _Relay:
         self.inputs: frozenset[int] = frozenset()  # ids of the plan's input tensors
         self.differentiable: frozenset[int] = frozenset()  # output positions that take a gradient
         self.grads: tuple[Any, ...] | None = None
-        self.token: tuple[torch.dtype, torch.device] | None = None
+        self.token: torch.device | None = None  # where the plan's empty tensor is, and its gradient
         self.read_inside: frozenset[int] = frozenset()
         self.given: dict[int, Any] = {}
 
@@ -386,7 +385,7 @@ class PlanFunction(torch.autograd.Function):
         relay.read_inside = emitted.read_inside
         like = next((t for t in (*outputs, *flat) if isinstance(t, torch.Tensor)), None)
         device = like.device if like is not None else torch.device("cpu")
-        relay.token = (torch.float32, device)
+        relay.token = device
         return torch.empty(0, device=device)  # no element: nothing is allocated
 
     @staticmethod
@@ -424,7 +423,7 @@ class PlanFunction(torch.autograd.Function):
             grads = [g if not isinstance(g, torch.Tensor) else _FirstOrderOnly.apply(g, *anchors) for g in grads]
         result: list[Any] = [None] * (2 + ctx.n_inputs)
         sent = sum(1 << j for j, i in enumerate(emitted.differentiable) if grad_outputs_sent[i])
-        for index, grad, needs in zip(emitted.grad_inputs, grads, emitted.grad_tangents or (0,) * len(grads)):
+        for index, grad, needs in zip(emitted.grad_inputs, grads, emitted.grad_tangents):
             # an input reached only through outputs the loss does not reach gets None, as in eager (an
             # optimizer skips it), not the zeros the plan computed from broadcast zero tangents
             result[2 + index] = None if needs and not needs & sent else grad
@@ -526,8 +525,7 @@ class _Release(torch.autograd.Function):
                     "hooked value outside the optimized module."
                 )
         relay.grads = grad_outputs
-        dtype, device = relay.token
-        return None, torch.empty(0, dtype=dtype, device=device)
+        return None, torch.empty(0, device=relay.token)
 
 
 class _FirstOrderOnly(torch.autograd.Function):
