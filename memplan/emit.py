@@ -180,16 +180,25 @@ class _Program:
         """Hand each output (a gradient) to :func:`_hand_off` right after the last item that reads or
         writes its storage, and return what it gives back: a gradient the running backward adds to a
         ``.grad`` itself is freed there, not held to the end (see :class:`PlanFunction`)."""
+        key_of: dict[torch.fx.Node, Any] = {}  # each node's storage key, made once
+
+        def key(node: torch.fx.Node) -> Any:
+            found = key_of.get(node)
+            if found is None:
+                found = key_of[node] = _storage_key(node)
+            return found
+
         last: dict[Any, int] = {}  # storage (or node, without a fake value) -> last item touching it
         for i, (node, saved) in enumerate(self.items):
-            touched = [node] if saved or node.op == "placeholder" else [node, *map(self.resolve, node.all_input_nodes)]
-            for value in touched:
-                last[_storage_key(value)] = i
+            last[key(node)] = i
+            if not saved and node.op != "placeholder":
+                for arg in node.all_input_nodes:
+                    last[key(self.resolve(arg))] = i
         after: dict[int, list[_HandOff]] = {}
         for k, value in enumerate(self.outputs):
             if isinstance(value, torch.fx.Node):
                 value = self.resolve(value)
-                at = last.get(_storage_key(value))
+                at = last.get(key(value))
                 if at is not None:
                     self.outputs[k] = hand = _HandOff(k, value)
                     after.setdefault(at, []).append(hand)
@@ -305,7 +314,7 @@ def emit(graph: CapturedGraph) -> Emitted:
         dense_tangents=tuple(model_outputs[i].dense_tangent for i in differentiable),
         read_inside=frozenset(i for i in differentiable if isinstance(flat_output_args[i], torch.fx.Node)
                               and any(u.op != "output" and u in forward for u in flat_output_args[i].users)),
-        grad_tangents=_tangent_masks(nodes, [n for n in placeholders if n.name in tangent_names],
+        grad_tangents=_tangent_masks([n for n in nodes if n not in forward], [n for n in placeholders if n.name in tangent_names],
                                      flat_output_args[len(model_outputs):]) if graph.training else (),
         run_forward=runners[0],
         run_backward=runners[1] if len(runners) > 1 else None,
@@ -314,7 +323,8 @@ def emit(graph: CapturedGraph) -> Emitted:
 
 
 def _tangent_masks(nodes: Sequence[torch.fx.Node], tangents: Sequence[torch.fx.Node], grads: Sequence[Any]) -> tuple[int, ...]:
-    """Per gradient output, the tangents it depends on, as a bit mask (bit j: ``tangents[j]``)."""
+    """Per gradient output, the tangents it depends on, as a bit mask (bit j: ``tangents[j]``); ``nodes``:
+    those that may read one (the backward's, in graph order)."""
     mask: dict[torch.fx.Node, int] = {t: 1 << j for j, t in enumerate(tangents)}
     for node in nodes:
         if node.op in ("call_function", "call_module"):
