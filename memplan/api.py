@@ -214,7 +214,8 @@ def _flatten_call(args: tuple, kwargs: dict) -> tuple[list[Any], pytree.TreeSpec
 def _signature(model: Any, leaves: Sequence[Any], spec: pytree.TreeSpec, walk: _Walk | None = None) -> tuple:
     """The key of a call's plan; ``walk`` is the model's (:class:`_Walk`), when it is a module."""
     tensors = tuple(
-        (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad, t.layout) if isinstance(t, torch.Tensor)
+        (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad, t.requires_grad and t.is_leaf, t.layout)
+        if isinstance(t, torch.Tensor)
         else _static_key(t)
         for t in leaves
     )

@@ -449,10 +449,14 @@ def capture(
     out_spec_box: dict[str, Any] = {}
 
     # Step 2: a flat function over params, buffers, user leaves (and tangents).
+    # An input made by earlier ops (not a leaf) is traced as one too, through an alias: autocast caches
+    # the cast of a leaf that requires grad once per block, but casts another tensor at every use.
+    made = {i for i, t in zip(tensor_at, user_leaves) if isinstance(t, torch.Tensor) and t.requires_grad and not t.is_leaf}
+
     def call_model(flat: Sequence[torch.Tensor]) -> Any:
         leaves = list(all_leaves)
         for i, tensor in zip(tensor_at, flat[n_params + n_buffers : n_params + n_buffers + n_user]):
-            leaves[i] = tensor
+            leaves[i] = tensor.view_as(tensor) if i in made else tensor
         call_args, call_kwargs = pytree.tree_unflatten(leaves, in_spec)
         return model(*call_args, **call_kwargs)
 

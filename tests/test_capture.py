@@ -824,3 +824,32 @@ def test_a_draw_from_python_random_is_refused():
     with pytest.raises(CaptureError, match=r"draws from Python's random module.*random\.random\(\)"):
         optimize(_PythonRandomScale())(torch.randn(2, 4))
     assert 0 <= random.random() < 1  # the module is given back
+
+
+class _TwoProducts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w, self.v = nn.Parameter(torch.randn(16, 16)), nn.Parameter(torch.randn(16, 16))
+
+    def forward(self, x):
+        return (x @ self.w).float().sum() + (x @ self.v).float().sum() * 0.37
+
+
+def test_autocast_casts_an_input_made_by_earlier_ops_at_every_use():
+    # Capture made every input a leaf, whose cast autocast caches once per block; eager casts an input
+    # that earlier ops made at every use, and adds the two gradients in float32: the input's gradient
+    # differed by 0.016.
+    torch.manual_seed(0)
+    model, leaf = _TwoProducts(), nn.Parameter(torch.randn(8, 16))
+    opt = optimize(model)
+    grads = []
+    for m in (model, opt):
+        leaf.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(leaf * 1.0)
+        y.backward()
+        grads.append(leaf.grad.clone())
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        opt(leaf)  # a leaf input is another signature: its cast is cached, as eager caches it
+    assert opt.plans_built == 2
