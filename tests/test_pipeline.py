@@ -396,3 +396,16 @@ def test_a_refused_budget_says_the_smallest_step_in_the_plans_terms():
         memplan.optimize(model, budget=planned.plan.planned_peak)(x)
     assert caught.value.smallest == planned.plan.planned_peak + 8
     memplan.optimize(model, budget=planned.plan.planned_peak + 8)(x)
+
+
+def test_holders_name_a_chunked_loop_as_such():
+    # A holder made by the chunk pass was named by its submodule alone (`memplan_chunk1`), a name the
+    # user never wrote; it is named a chunked loop, beside the user's line.
+    from memplan.errors import InfeasibleBudgetError
+
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(12)])
+    with pytest.raises(InfeasibleBudgetError) as caught:
+        memplan.optimize(layers, budget="300KiB")(torch.randn(256, 64))
+    chunked = [h for h in caught.value.holders if "memplan_chunk" in h]
+    assert chunked and all("chunked loop memplan_chunk" in h for h in chunked)

@@ -174,7 +174,7 @@ class MemoryAnalysis:
             shape=first.shape,
             dtype=first.dtype,
             node=storage.creator,
-            op=packet_name(creator) or str(creator.target),
+            op=packet_name(creator) or (f"chunked loop {creator.target}" if creator.op == "call_module" else str(creator.target)),
             phase=self.graph.phases[storage.creator].value,
             source=self.graph.sources.get(storage.creator),
             reason=self._reason(sid, at),
