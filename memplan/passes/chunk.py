@@ -159,7 +159,7 @@ from memplan.passes._chunk.rules import (
     nbytes,
     shape_of,
 )
-from memplan.pipeline import PassContext, PassResult, PassStats, register_pass
+from memplan.pipeline import PassContext, PassResult, PassStats, pass_options, register_pass
 from memplan.policy import Candidate, Policy
 
 __all__ = [
@@ -1254,12 +1254,7 @@ class ChunkOptions:
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> "ChunkOptions":
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(k for k in options if k.startswith("chunk.") and k[len("chunk."):] not in fields)
-        if unknown:
-            raise ValueError(f"unknown chunk option(s) {unknown}; valid ones are {sorted('chunk.' + f for f in fields)}")
-        picked = {k[len("chunk."):]: v for k, v in options.items() if k.startswith("chunk.") and k[len("chunk."):] in fields}
-        options = cls(**picked)
+        options = pass_options(cls, "chunk", options)
         return dataclasses.replace(options, rates=options.rates.resolved())
 
 
