@@ -355,15 +355,14 @@ class _Relay:
     """Carries one call's outputs from :class:`PlanFunction` to :class:`_Release`, and their
     gradients back (each taken once, so the relay holds nothing after)."""
 
-    __slots__ = ("outputs", "inputs", "differentiable", "grads", "token", "read_inside", "given")
+    __slots__ = ("emitted", "outputs", "inputs", "grads", "token", "given")
 
     def __init__(self) -> None:
+        self.emitted: Emitted | None = None  # the plan: which outputs take a gradient, which the forward reads
         self.outputs: list[Any] | None = None
         self.inputs: frozenset[int] = frozenset()  # ids of the plan's input tensors
-        self.differentiable: frozenset[int] = frozenset()  # output positions that take a gradient
         self.grads: tuple[Any, ...] | None = None
         self.token: torch.device | None = None  # where the plan's empty tensor is, and its gradient
-        self.read_inside: frozenset[int] = frozenset()
         self.given: dict[int, Any] = {}
 
 
@@ -391,8 +390,7 @@ class PlanFunction(torch.autograd.Function):
             ctx.save_for_backward(*saved)
         relay.outputs = outputs
         relay.inputs = frozenset(id(x) for x in flat)
-        relay.differentiable = frozenset(emitted.differentiable)
-        relay.read_inside = emitted.read_inside
+        relay.emitted = emitted
         like = next((t for t in (*outputs, *flat) if isinstance(t, torch.Tensor)), None)
         device = like.device if like is not None else torch.device("cpu")
         relay.token = device
@@ -490,7 +488,7 @@ class _Release(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, relay: _Relay, token: torch.Tensor) -> tuple[Any, ...]:
         outputs, relay.outputs = relay.outputs, None
-        differentiable = relay.differentiable
+        differentiable = frozenset(relay.emitted.differentiable)
         ctx.relay = relay
         # The plan drops detaches (a no-op outside autograd), so an output the model detached can be
         # the very tensor of a differentiable output (``return y, y.detach()``) or of an input: marked
@@ -514,7 +512,7 @@ class _Release(torch.autograd.Function):
         if plain:
             ctx.mark_non_differentiable(*[outputs[i] for i in plain])
         # the outputs the forward also reads, as given out: a hook on one is refused in the backward
-        relay.given = {i: weakref.ref(outputs[i]) for i in relay.read_inside if isinstance(outputs[i], torch.Tensor)}
+        relay.given = {i: weakref.ref(outputs[i]) for i in relay.emitted.read_inside if isinstance(outputs[i], torch.Tensor)}
         # Autograd would otherwise allocate a zero gradient for every output the loss does not reach,
         # the non-differentiable ones included (an argmax returned beside the loss), which eager never
         # makes; the backward reads a broadcast zero for those it takes a tangent for.

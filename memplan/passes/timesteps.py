@@ -457,9 +457,6 @@ class _StepNodes:
         for step in range(self.first, self.end):
             yield from self.steps.nodes[step]
 
-    def __len__(self) -> int:
-        return sum(len(self.steps.nodes[step]) for step in range(self.first, self.end))
-
 
 def _describe_steps(graph: CapturedGraph, loop: Loop, facts: RematFacts,
                     backward_by_seq: Mapping[int, list[str]]) -> _Steps:
