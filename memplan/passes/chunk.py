@@ -68,8 +68,11 @@ Soundness conditions (each with a counterexample that the rules refuse)
 ---------------------------------------------------------------------
 * Every op in ``R`` treats the index independently. Counterexample: ``softmax(x, dim=i)`` over the
   chunked dim needs all of ``i`` at once; it is a barrier.
-* Partial results flow only through linear ops before they are combined. Counterexample:
-  ``exp(x.sum(i))`` on a chunk computes ``exp`` of a partial sum; ``exp`` is a barrier for partials.
+* Partial results flow only through linear ops before they are combined (the algebra, and the
+  one check every rule asks, are :func:`~memplan.passes._chunk.rules.crosses` and
+  :func:`~memplan.passes._chunk.rules.partial_op_class`). Counterexamples: ``exp(x.sum(i))`` on a
+  chunk computes ``exp`` of a partial sum (nonlinear); ``x.sum(i).add(1e-6)`` adds the constant once
+  per chunk (affine). Both are barriers for partials.
 * A reduction over the index has a combine and a backward that slices. Counterexample:
   ``x.max(dim=i)`` has a combine (max with argmax) but its backward scatters into all of ``i`` with
   global indices; it is a barrier (``amax`` too: its backward divides by a count over ``i``).
@@ -105,6 +108,7 @@ from typing import Any
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 
 from memplan._capture.tracer import quiet_meta_failures
 from memplan.analysis.liveness import Liveness
@@ -136,6 +140,7 @@ from memplan.passes._chunk.loops import (
     ChunkLoop,
     LoopInput,
     LoopOutput,
+    replay_views,
     LoopSpec,
     body_graph,
     body_peak,
@@ -867,6 +872,24 @@ def _accumulation(output: torch.fx.Node, nodes: Sequence[torch.fx.Node], outputs
     return zero, steps, node
 
 
+_VIEW_STEPS = {"view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "unsqueeze", "squeeze",
+               "select", "slice", "narrow", "alias", "detach", "diagonal", "as_strided", "_reshape_alias"}
+
+
+def _view_chain(node: torch.fx.Node, nodes: Sequence[torch.fx.Node]) -> tuple[torch.fx.Node, tuple]:
+    """The value ``node`` is a chain of single-tensor views of, inside ``nodes``, and the view ops
+    from it to ``node`` (``(target, args after the first, kwargs)`` each, first op first; empty when
+    ``node`` is no view). A view op whose other arguments are nodes ends the chain."""
+    members = set(nodes)
+    chain = []
+    while (node in members and packet_name(node) in _VIEW_STEPS and isinstance(node.args[0], torch.fx.Node)
+           and node.args[0] in members
+           and not any(isinstance(a, torch.fx.Node) for a in pytree.tree_leaves((node.args[1:], node.kwargs)))):
+        chain.append((node.target, tuple(node.args[1:]), dict(node.kwargs)))
+        node = node.args[0]
+    return node, tuple(reversed(chain))
+
+
 def _strip_aliases(node: torch.fx.Node) -> torch.fx.Node:
     while node.target in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
         node = node.args[0]
@@ -944,6 +967,23 @@ def _make_loops(
             continue
         specs[i] = dataclasses.replace(specs[i], into=zero_state.inner, acc_shape=tuple(value.shape))
         slots.append((zero, zero_state))
+    # a folded output (not an accumulator) that is a view of a value the body folds too (``s.t()``
+    # beside ``s``, or two views of ``s``): folding each on its own would add every chunk twice into
+    # their one storage, and eager's views of one tensor are views of one tensor; the loop folds the
+    # base once and hands out its views (the base as a hidden output when it is not returned itself)
+    for i, (node, index) in enumerate(list(body_outputs)):
+        if index is not None or specs[i].same_as >= 0 or not specs[i].combined:
+            continue
+        base, steps = _view_chain(node, nodes)
+        if not steps or states.get(base) != states.get(node):
+            continue
+        j = first.get((base, None))
+        if j is None:
+            body_outputs.append((base, None))
+            specs.append(dataclasses.replace(_output_spec(base, states[base]), public=False))
+            j = first[(base, None)] = len(specs) - 1
+        if specs[j].combined and specs[j].view_of < 0:
+            specs[i] = dataclasses.replace(specs[i], view_of=j, steps=steps)
     # an input stored narrow by the forward loop is widened back, chunk by chunk, beside the body
     loop_inputs = tuple(
         LoopInput(s.dim, s.inner, node.meta["val"].dtype if node in narrow else None) if isinstance(s, Split) else LoopInput()
@@ -1010,10 +1050,13 @@ def _insert_loop(graph_state: dict, gm: torch.fx.GraphModule, loop: ChunkLoop, s
         call = gm.graph.create_node("call_module", target, tuple(args), {}, name=f"chunk{index}_{phase.value}")
     device = like.meta["val"].device if isinstance(like.meta.get("val"), torch.Tensor) else torch.device("cpu")
     with mode:
-        public = [
+        values = [
             args[s.alias_of].meta["val"] if s.alias_of >= 0 else torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device=device)
-            for s in specs if s.public
+            for s in specs
         ]
+        # a view the loop hands out of another output shares its storage, as at run time
+        values = [replay_views(values[s.view_of], s.steps) if s.view_of >= 0 else v for v, s in zip(values, specs)]
+        public = [v for v, s in zip(values, specs) if s.public]
         scratch = torch.empty(loop.spec.scratch, dtype=torch.uint8, device=device)
     call.meta["val"] = (*public, scratch)
     items = []

@@ -383,6 +383,13 @@ class LoopOutput:
     acc_shape: tuple[int, ...] = ()  # ``"inplace"``: the zero accumulator the body adds into
     into: int = 0  # ``"cat"``: rows per unit of the zero tensor the body adds into, which the loop
     # passes it: the chunk's slice of the result itself (zeroed), so nothing is copied
+    view_of: int = -1  # a combined output that is a view of combined output ``view_of``: the loop
+    # combines that one and hands out its view (``steps``), as eager's views of one tensor
+
+    @property
+    def combined(self) -> bool:
+        """Whether the loop folds this output over the chunks (in place, after the first chunk)."""
+        return self.kind not in ("cat", "first", "inplace")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -396,6 +403,13 @@ class LoopSpec:
     @property
     def chunks(self) -> int:
         return -(-self.units // self.chunk)
+
+
+def replay_views(value: Any, steps: Sequence[tuple]) -> Any:
+    """``value`` through the view ops ``steps`` (``(target, args after the first, kwargs)`` each)."""
+    for target, rest, kwargs in steps:
+        value = target(value, *rest, **kwargs)
+    return value
 
 
 def _overlaps(t: torch.Tensor) -> bool:
@@ -441,7 +455,10 @@ class ChunkLoop(torch.nn.Module):
         pieces = [
             None if s.dim is None else a.split(spec.chunk * s.inner, s.dim) for a, s in zip(args, spec.inputs)
         ]
-        combined = [(i, out) for i, out in enumerate(spec.outputs) if out.same_as < 0 and out.kind != "inplace"]
+        combined = [(i, out) for i, out in enumerate(spec.outputs)
+                    if out.same_as < 0 and out.view_of < 0 and out.kind != "inplace"]
+        owned: set[int] = set()  # storages of the folded outputs' values and of the inputs: never shared
+        owned.update(a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor))
         widened = [i for i, s in enumerate(spec.inputs) if s.dtype is not None]
         slots: dict[int, Sequence[torch.Tensor]] = {}  # "cat" outputs: each chunk's slice of the result
         for i, out in combined:
@@ -470,7 +487,7 @@ class ChunkLoop(torch.nn.Module):
                     if not out.into or i in copied:
                         slots[i][k].copy_(outs[i])
                 else:
-                    results[i] = self._combine(results[i], outs[i], out, length, outs)
+                    results[i] = self._combine(results[i], outs[i], out, length, outs, owned)
             outs = chunk_args = None  # drop this chunk's values before the next chunk runs
         for i, out in enumerate(spec.outputs):
             if out.kind == "nll_mean":
@@ -479,19 +496,23 @@ class ChunkLoop(torch.nn.Module):
         inplace = iter(accumulators)
         for i, out in enumerate(spec.outputs):
             if out.kind == "inplace":
-                value = next(inplace)
-                for target, rest, kwargs in out.steps:
-                    value = target(value, *rest, **kwargs)
-                results[i] = value
+                results[i] = replay_views(next(inplace), out.steps)
+        for i, out in enumerate(spec.outputs):
+            if out.view_of >= 0:
+                results[i] = replay_views(results[out.view_of], out.steps)
         for i, out in enumerate(spec.outputs):
             if out.same_as >= 0:
                 results[i] = results[out.same_as]
         public = [r for r, out in zip(results, spec.outputs) if out.public]
         return (*public, torch.empty(0, dtype=torch.uint8, device=device))
 
-    def _combine(self, acc: Any, value: torch.Tensor, out: LoopOutput, length: int, outs) -> Any:
+    def _combine(self, acc: Any, value: torch.Tensor, out: LoopOutput, length: int, outs, owned: set[int]) -> Any:
         """Fold one chunk's ``value`` into ``acc`` (None before the first chunk); ``"cat"`` is done
-        by :meth:`forward`, which writes each chunk into its slice of the result."""
+        by :meth:`forward`, which writes each chunk into its slice of the result.
+
+        The first chunk's value becomes the accumulator that later chunks fold into in place, so it
+        must own its storage: a value sharing storage with another folded output (two views of one
+        body value) or with an input is copied first (``owned`` holds those storages)."""
         kind = out.kind
         if kind == "first":
             return value if acc is None else acc
@@ -508,7 +529,11 @@ class ChunkLoop(torch.nn.Module):
                 return value * weight
             return acc.add_(value, alpha=weight)
         if acc is None:
-            return value.clone() if _overlaps(value) else value
+            storage = value.untyped_storage().data_ptr()
+            if _overlaps(value) or storage in owned:
+                value = value.clone()
+            owned.add(value.untyped_storage().data_ptr())
+            return value
         if kind == "sum":
             return acc.add_(value)
         if kind == "lse":

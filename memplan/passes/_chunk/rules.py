@@ -32,6 +32,8 @@ __all__ = [
     "Barrier",
     "RuleResult",
     "LINEAR_PARTIALS",
+    "crosses",
+    "partial_op_class",
     "VIEW_OPS",
     "ZERO_PRODUCERS",
     "chunk_rule",
@@ -87,8 +89,83 @@ class Replicated:
 REP = Replicated()
 State = Union[Split, Partial, Replicated, tuple]
 
+# ----------------------------------------------------------------------------------------------
+# the algebra of partial results
+#
+# A chunk's partial value ``p_c`` becomes the full value by its kind's combine ``C``:
+#
+#     sum:  x = sum_c p_c                mean: x = sum_c (n_c / n) p_c     (the additive kinds)
+#     max:  x = max_c p_c                min:  x = min_c p_c               lse:  x = log sum_c exp p_c
+#
+# An op ``f`` may run on every chunk's partial, before the combine, only if ``f(C(p_1, ..., p_k)) =
+# C(f(p_1), ..., f(p_k))`` for every way of splitting. What an op is to its partial operand decides it:
+#
+# * a *value* op (a view, a layout change, a copy in a float dtype) keeps every element's value: it
+#   commutes with every combine; the rules let it carry the additive kinds only.
+# * a *linear* op (``f(a + b) = f(a) + f(b)``, ``f(s a) = s f(a)``) commutes with the additive combines:
+#   negation, scaling by a value every chunk shares, add/sub of partials of one kind, a sum or mean
+#   over other dimensions, a matmul with a shared operand.
+# * an *affine* op (linear plus a constant: ``p + 1e-6``, ``p + bias``, ``addmm``) does not: each
+#   chunk would add the constant, k times in all. Counterexample: ``((x[:, None] - x[None]) ** 2)
+#   .sum(-1).add(1e-6).sqrt()`` with the features chunked in two gave ``sqrt(2e-6)`` on the diagonal.
+# * a *nonlinear* op (``exp``, ``sqrt``, ``relu``, ``fill_`` with a non-zero value, a cast to an
+#   integer dtype, a floor division) does not. Counterexample: ``exp(x.sum(i))``.
+#
+# The rules below classify an op with :func:`partial_op_class` where it meets a partial and ask
+# :func:`crosses`; nothing else lets a partial through.
+
 #: Partial kinds that linear ops (views, add, scaling) carry through unchanged.
 LINEAR_PARTIALS = ("sum", "mean")
+
+VALUE, LINEAR, AFFINE, NONLINEAR = "value", "linear", "affine", "nonlinear"
+
+
+def crosses(kind: str, op_class: str) -> bool:
+    """Whether a partial result of ``kind`` may pass, chunk by chunk, an op of ``op_class`` before
+    its combine (see the algebra above).
+
+    Examples
+    --------
+    >>> crosses("sum", LINEAR), crosses("sum", AFFINE), crosses("max", LINEAR)
+    (True, False, False)
+    """
+    return kind in LINEAR_PARTIALS and op_class in (VALUE, LINEAR)
+
+
+def partial_op_class(node: torch.fx.Node, st: Callable[[Any], State]) -> str:
+    """What pointwise or copying op ``node`` is to its partial operands (``st`` gives the states).
+
+    Linear only where every operand that is not a partial enters as a factor: ``add``/``sub`` of
+    partials alone (``alpha`` scales), ``mul`` with one partial, ``div`` of a partial by a shared
+    value without rounding, ``neg``. A non-partial addend (a tensor or a Python number) makes the op
+    affine. Copies are value ops when they keep a float dtype; ``zero_`` is linear (it gives 0).
+    """
+    name = packet_name(node)
+
+    def partial(a: Any) -> bool:
+        return isinstance(a, torch.fx.Node) and isinstance(st(a), Partial)
+
+    positions = [i for i, a in enumerate(node.args) if partial(a)]
+    if name in ("alias", "detach", "clone", "contiguous", "lift_fresh_copy", "positive"):
+        return VALUE
+    if name == "_to_copy":
+        value = node.meta.get("val")
+        floating = isinstance(value, torch.Tensor) and value.dtype.is_floating_point
+        return VALUE if floating else NONLINEAR
+    if name == "zero_":
+        return LINEAR
+    if name in ("add", "sub"):
+        operands = list(node.args[:2])
+        if len(operands) == 2 and all(partial(a) for a in operands):
+            return LINEAR
+        return AFFINE if positions else NONLINEAR
+    if name == "mul" and len(positions) == 1:
+        return LINEAR
+    if name == "neg":
+        return LINEAR
+    if name == "div" and positions == [0] and node.kwargs.get("rounding_mode") is None:
+        return LINEAR
+    return NONLINEAR
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,20 +294,14 @@ def _linear_partial(node: torch.fx.Node, st, splits, partials) -> RuleResult:
     if splits:
         return Barrier("mixes a partial result with a sliced value")
     kinds = {p.kind for _, p in partials}
-    if len(kinds) != 1 or next(iter(kinds)) not in LINEAR_PARTIALS:
+    if len(kinds) != 1 or not crosses(next(iter(kinds)), LINEAR):
         return Barrier("a partial result that only linear ops may touch")
     kind = next(iter(kinds))
-    name = packet_name(node)
-    tensors = tensor_args(node)
     # by argument position, not by node: ``mul(p, p)`` reads one partial node twice and is not linear
-    positions = [i for i, a in enumerate(node.args) if isinstance(a, torch.fx.Node) and isinstance(st(a), Partial)]
-    if name in ("add", "sub") and all(isinstance(st(a), Partial) for a in tensors):
+    op_class = partial_op_class(node, st)
+    if crosses(kind, op_class):
         return Partial(kind)
-    if name in ("mul", "neg") and len(positions) == 1:
-        return Partial(kind)
-    if name == "div" and positions == [0]:
-        return Partial(kind)
-    return Barrier(f"{name} is not linear in a partial result")
+    return Barrier(f"{packet_name(node)} is {op_class} in a partial result, which only linear ops may cross")
 
 
 def _reduction(node: torch.fx.Node, st, name: str) -> RuleResult:
@@ -252,7 +323,7 @@ def _reduction(node: torch.fx.Node, st, name: str) -> RuleResult:
         dims = list(range(rank)) if not dim else [norm_dim(d, rank) for d in dim]
         keepdim = bool(arg_of(node, 2, "keepdim", False))
     if isinstance(s, Partial):
-        if s.kind in LINEAR_PARTIALS and name in ("sum", "mean"):
+        if name in ("sum", "mean") and crosses(s.kind, LINEAR):
             return Partial(s.kind)
         return Barrier(f"{name} of a partial result")
     if not isinstance(s, Split):
@@ -292,7 +363,7 @@ def _matmul(node: torch.fx.Node, st, a: Any, b: Any, batched: bool) -> RuleResul
         if isinstance(sa, Split) or isinstance(sb, Split):
             return Barrier("matmul of a partial and a sliced value")
         kinds = {s.kind for s in (sa, sb) if isinstance(s, Partial)}
-        if len(kinds) == 1 and isinstance(sa, Partial) != isinstance(sb, Partial) and kinds <= set(LINEAR_PARTIALS):
+        if len(kinds) == 1 and isinstance(sa, Partial) != isinstance(sb, Partial) and crosses(next(iter(kinds)), LINEAR):
             return Partial(kinds.pop())
         return Barrier("matmul of two partial results")
     if batched:
@@ -424,17 +495,21 @@ def _chunk_rule(node: torch.fx.Node, st: Callable[[Any], State], is_zero: Callab
     sx = state(x)
 
     if name in _IDENTITY_OPS:
+        if isinstance(sx, Partial):
+            op_class = partial_op_class(node, state)
+            if not crosses(sx.kind, op_class):
+                return Barrier(f"{name} is {op_class} in a partial result, which only linear ops may cross")
         return sx if shape_of(x) == out_shape or isinstance(sx, Replicated) else Barrier("shape changes")
     if name in _FACTORY_LIKE:
         return sx if isinstance(sx, Split) else REP
     if name in VIEW_OPS:
         if isinstance(sx, Partial):
-            return sx if sx.kind in LINEAR_PARTIALS else Barrier("view of a partial")
+            return sx if crosses(sx.kind, VALUE) else Barrier("view of a partial")
         mapped = map_view(shape_of(x), out_shape, sx)
         return mapped if mapped is not None else Barrier("the view splits the chunked dimension")
     if name == "expand":
         if isinstance(sx, Partial):
-            return sx if sx.kind in LINEAR_PARTIALS else Barrier("expand of a partial")
+            return sx if crosses(sx.kind, VALUE) else Barrier("expand of a partial")
         return Split(sx.dim + len(out_shape) - len(shape_of(x)), sx.inner)
     if name in ("permute", "transpose", "t", "unsqueeze", "squeeze", "select", "slice", "narrow", "diagonal"):
         return _layout_rule(node, name, sx, shape_of(x), out_shape)
@@ -672,7 +747,7 @@ def operand_requests(node: torch.fx.Node, st: Callable[[Any], State]) -> tuple[S
 
 def _layout_rule(node: torch.fx.Node, name: str, sx: State, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> RuleResult:
     if isinstance(sx, Partial):
-        if sx.kind in LINEAR_PARTIALS and name in ("permute", "transpose", "t", "unsqueeze", "squeeze"):
+        if name in ("permute", "transpose", "t", "unsqueeze", "squeeze") and crosses(sx.kind, VALUE):
             return sx
         return Barrier(f"{name} of a partial")
     d, inner = sx.dim, sx.inner
