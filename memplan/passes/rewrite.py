@@ -646,9 +646,12 @@ def _gather_grads(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, index: t
             offsets = offset.to(cols_dtype) if offsets is None else offsets + offset.to(cols_dtype)
     selected = index.to(cols_dtype) * pattern.step if pattern.step != 1 else index
     cols = selected.to(cols_dtype) if offsets is None else offsets + selected
-    # (contiguous: a reshape of a one-dimensional broadcast is a view with stride 0)
-    cols = cols.expand(grad.shape).permute(order).reshape(-1).contiguous()
-    values = grad.permute(order).reshape(-1).contiguous()
+    # (copied into a contiguous tensor: a reshape of a one-dimensional broadcast is a view with stride
+    # 0. ``contiguous()`` would not do: it is traced over the fake values' layouts, where it may be a
+    # no-op, and the gradient that reaches the plan can be a broadcast that the trace's was not, the
+    # one of ``out.sum()``)
+    cols = cols.expand(grad.shape).permute(order).reshape(-1).clone(memory_format=torch.contiguous_format)
+    values = grad.permute(order).reshape(-1).clone(memory_format=torch.contiguous_format)
     a_rows = a.reshape(batch * rows_n, k)
     b_rows = b.transpose(1, 2).reshape(batch * cols_n, k)
     block = max(1, min(cols.shape[0], _COORD_BLOCK))  # (an empty product still gets a workspace)

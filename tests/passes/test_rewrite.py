@@ -511,3 +511,33 @@ def test_a_rewritten_gradient_keeps_the_layout_its_readers_were_traced_on():
     assert_equivalent(model, opt, x, grad=False)
     assert any(r.name == "rewrite" and r.changed for r in opt.plan.records)
     assert measure(step_fn(opt, (x,), train=True)).peak <= measure(step_fn(model, (x,), train=True)).peak
+
+
+class _MatmulMaxHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(48, 208) * 0.14)
+
+    def forward(self, x):
+        return torch.max(torch.mm(x, self.w), dim=-1).values
+
+
+@pytest.mark.parametrize("loss", ["sum", "mean", "weighted"])
+def test_matmul_max_takes_the_gradient_a_loss_gives_it(loss):
+    # out.sum().backward() hands the plan a broadcast gradient (stride 0) where the trace saw a dense
+    # one: the selections' values were made contiguous by a contiguous() traced as a no-op, and the
+    # operator refused them (ValueError from memplan::grouped_addmm_ in the plan's backward).
+    torch.manual_seed(0)
+    model, x = _MatmulMaxHead(), torch.randn(68, 48)
+    opt = memplan.optimize(model, passes="rewrite")
+    weights = torch.rand(68)
+    reduce = {"sum": torch.sum, "mean": torch.mean, "weighted": lambda y: (y * weights).sum()}[loss]
+    grads = []
+    for m in (model, opt):
+        xi = x.clone().requires_grad_()
+        reduce(m(xi)).backward()
+        grads.append((xi.grad, model.w.grad.clone()))
+        model.w.grad = None
+    for expected, got in zip(*grads):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    assert any(packet_name(n) == "grouped_addmm_" for n in opt.plan.graph.gm.graph.nodes)
