@@ -17,8 +17,10 @@ from memplan.errors import (
     InfeasibleBudgetError,
     MemplanError,
     PassError,
+    PassRolledBackWarning,
     UnsupportedInputError,
     UnsupportedNodeError,
+    VerificationWarning,
 )
 from memplan.measure import Measurement, format_bytes, measure
 
@@ -42,4 +44,6 @@ __all__ = [
     "UnsupportedNodeError",
     "InfeasibleBudgetError",
     "PassError",
+    "PassRolledBackWarning",
+    "VerificationWarning",
 ]

@@ -19,8 +19,10 @@ import contextlib
 import dataclasses
 import gc
 import sys
+import threading
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -31,13 +33,14 @@ from torch import nn
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation
 from memplan.analysis.tensors import Tensors
-from memplan.capture import CapturedGraph, capture, is_static_leaf, is_user_frame, leaf_paths
+from memplan.capture import TRACING, CapturedGraph, capture, check_leaves, is_static_leaf, is_user_frame, leaf_paths
 from memplan.emit import Emitted, emit, run_inference, run_training
 from memplan.errors import CaptureError, UnsupportedInputError
 from memplan.measure import format_bytes
 from memplan.graphutil import copy_graph, mutated_args
 from memplan.pipeline import PassManager, PassRecord
 from memplan.policy import Policy
+from memplan.verify import check_first_call
 
 __all__ = ["optimize", "OptimizedModule", "Plan", "DEFAULT_PIPELINE"]
 
@@ -90,7 +93,7 @@ class Plan:
     def __str__(self) -> str:
         lines = [self.headline()]
         for r in self.records:
-            change = "changed" if r.changed else "no change"
+            change = "rolled back" if r.rolled_back is not None else "changed" if r.changed else "no change"
             lines.append(
                 f"  {r.name:12s} {change:9s} peak {format_bytes(r.peak_before)} -> {format_bytes(r.peak_after)}, "
                 f"{r.stats.nodes_rewritten} nodes rewritten, recompute +{r.stats.recompute_added:.1%}, {r.seconds:.3f} s"
@@ -139,6 +142,20 @@ def _user_stacklevel() -> int:
 # Plans for one set of tensor shapes that differ only in plain argument values before memplan warns that
 # a value probably changes every call (each new value is planned again, in seconds).
 VALUE_PLANS_WARNING = 8
+
+#: Plans an optimized module keeps by default (``optimize(..., max_plans=)``), least recently used dropped
+#: first. A plan holds the model's graphs as captured and as planned, with their analyses and code (megabytes
+#: for a large model), and a model fed a new shape at every call (a sequence length per batch) would keep
+#: one per call, without bound. 32 keeps a training and an evaluation plan for each of 16 shape buckets.
+MAX_PLANS = 32
+
+# Capture and planning, of any module, one at a time: a capture swaps the model's parameters for fake
+# tensors while it traces, and patches process-wide functions (Python's random, Tensor.register_hook).
+# The lock capture itself takes (one lock, so no two threads take the two in opposite orders); reentrant,
+# as a model may hold an optimized module, which plans inside the parent's trace. Always taken before a
+# module's own lock (``OptimizedModule._lock``), never after, so two threads cannot deadlock.
+_PLANNING = TRACING
+_MISSING = object()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,10 +308,14 @@ class OptimizedModule(nn.Module):
         passes: Sequence[str],
         fallback: str | None,
         options: Mapping[str, Any] | None = None,
+        max_plans: int = MAX_PLANS,
+        verify: bool = False,
     ):
         super().__init__()
         if fallback not in (None, "eager"):
             raise ValueError(f'fallback must be None or "eager", not {fallback!r}')
+        if isinstance(max_plans, bool) or not isinstance(max_plans, int) or max_plans < 1:
+            raise ValueError(f"max_plans must be a positive int, not {max_plans!r}")
         if isinstance(model, nn.Module):
             self.model = model
         else:
@@ -303,9 +324,19 @@ class OptimizedModule(nn.Module):
         self.passes = tuple(passes)
         self.fallback = fallback
         self.options = dict(options or {})
-        self._plans: dict[tuple, Plan | None] = {}
-        self._value_plans: dict[tuple, list[tuple]] = {}  # plain-value keys per tensor shapes (see _warn_if_values_vary)
+        self.max_plans = max_plans
+        # check each signature's first call against eager (memplan.verify); private, not to hide a `verify`
+        # of the model's, which reads through this module
+        self._verify = bool(verify)
+        # per signature, least recently used first (None: the signature runs eagerly, under fallback="eager")
+        self._plans: OrderedDict[tuple, Plan | None] = OrderedDict()
+        # plain-value keys per tensor shapes (see _warn_if_values_vary)
+        self._value_plans: OrderedDict[tuple, list[tuple]] = OrderedDict()
         self._last: Plan | None = None
+        self._evicted = False  # whether a plan was dropped yet (warned once)
+        # Held while a call reads the model to find its plan, and while it plans: a capture swaps the model's
+        # parameters for fake tensors, which another thread's call must not read meanwhile.
+        self._lock = threading.RLock()
         self.plans_built = 0
         # Inside a bigger model, the parent's state_dict() asks this module's (which gives the original's
         # keys) but its load_state_dict() walks into ``model``: its keys are read under either name.
@@ -327,8 +358,14 @@ class OptimizedModule(nn.Module):
         """Copies (``copy.deepcopy``, ``pickle``, ``torch.save``) keep the model and the settings, not the
         plans: a plan holds fake tensors and compiled code, and is made again on the copy's first call."""
         state = self.__dict__.copy()
-        state.update(_plans={}, _value_plans={}, _last=None)
+        state.update(_plans=OrderedDict(), _value_plans=OrderedDict(), _last=None, _evicted=False)
+        state.pop("_lock", None)  # a lock cannot be copied: each copy makes its own
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("max_plans", MAX_PLANS)
+        self._lock = threading.RLock()
 
     @property
     def original(self) -> nn.Module | Callable[..., Any]:
@@ -367,13 +404,13 @@ class OptimizedModule(nn.Module):
             raise RuntimeError("nothing is planned yet: call the module once first")
         return self._last.code
 
-    def _build_plan(self, args: tuple, kwargs: dict) -> Plan:
+    def _build_plan(self, args: tuple, kwargs: dict, passes: Sequence[str] | None = None) -> Plan:
         # Planning builds hundreds of thousands of small objects (nodes, metadata, analyses) and frees
         # few: the cyclic collector would walk them again and again (seconds on a 1000-step loop).
         with _collector_paused():
-            return self._build_plan_unpaused(args, kwargs)
+            return self._build_plan_unpaused(args, kwargs, self.passes if passes is None else tuple(passes))
 
-    def _build_plan_unpaused(self, args: tuple, kwargs: dict) -> Plan:
+    def _build_plan_unpaused(self, args: tuple, kwargs: dict, passes: tuple[str, ...]) -> Plan:
         start = time.perf_counter()
         original = self.original
         graph = capture(original, *args, seed="tangents", **kwargs)
@@ -382,8 +419,8 @@ class OptimizedModule(nn.Module):
         eager_peak = captured.get(PeakSimulation).peak
         # Passes edit the graph they are given; keep the captured one intact for reports. The copy has the
         # captured graph's nodes and fake values, so its tensor facts are the captured ones.
-        result = PassManager(self.passes, self.policy, options=self.options).run(
-            copy_graph(graph), known={Tensors: captured.get(Tensors)})
+        result = PassManager(passes, self.policy, options=self.options).run(
+            copy_graph(graph), known={Tensors: captured.get(Tensors)}, pristine=graph)
         # The pipeline hands over the analyses of its last graph (computing them again took seconds).
         analyses = result.graph_analyses()
         planned_peak = analyses.get(PeakSimulation).peak
@@ -394,7 +431,7 @@ class OptimizedModule(nn.Module):
         self.plans_built += 1
         return Plan(
             training=graph.training,
-            pipeline=",".join(self.passes),
+            pipeline=",".join(passes),
             records=result.records,
             eager_peak=eager_peak,
             planned_peak=planned_peak,
@@ -410,22 +447,15 @@ class OptimizedModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         original = self.original
         leaves, spec = _flatten_call(args, kwargs)
-        walk = _Walk.of(original) if isinstance(original, nn.Module) else None
-        key = _signature(original, leaves, spec, walk)
-        if key not in self._plans:
-            self._warn_if_values_vary(key, (args, kwargs))
-            try:
-                self._plans[key] = self._build_plan(args, kwargs)
-            except (CaptureError, UnsupportedInputError) as exc:
-                if self.fallback != "eager":
-                    raise
-                warnings.warn(f"memplan runs this model eagerly (fallback='eager'): {exc}", stacklevel=_user_stacklevel())
-                self._plans[key] = None
-        plan = self._plans[key]
-        self._last = plan
+        with self._lock:
+            found = self._lookup(original, leaves, spec, (args, kwargs), plan=False)
+        if found is None:  # a new signature: planned once, whichever threads call (see _PLANNING)
+            with _PLANNING, self._lock:
+                found = self._lookup(original, leaves, spec, (args, kwargs), plan=True)
+        plan, flat = found
         if plan is None:
-            return original(*args, **kwargs)
-        flat = self._flat_inputs(leaves, walk)
+            with _PLANNING, self._lock:  # the model's Python reads the parameters that a capture swaps
+                return original(*args, **kwargs)
         if plan.training:
             outputs = run_training(plan.emitted, flat)
         else:
@@ -433,6 +463,64 @@ class OptimizedModule(nn.Module):
         for index, value in plan.emitted.constant_outputs:
             outputs[index] = value
         return pytree.tree_unflatten(outputs, plan.graph.out_spec)
+
+    def _lookup(self, original: Any, leaves: Sequence[Any], spec: pytree.TreeSpec, call: tuple[tuple, dict],
+                plan: bool) -> tuple[Plan | None, list[torch.Tensor] | None] | None:
+        """``(plan, flat inputs)`` for the call (a None plan runs eagerly, under ``fallback="eager"``);
+        without a plan for its signature, one is made when ``plan`` is true, else None is returned. Called
+        under the module's lock, which ``plan`` needs :data:`_PLANNING` taken before."""
+        walk = _Walk.of(original) if isinstance(original, nn.Module) else None
+        try:
+            key = _signature(original, leaves, spec, walk)
+        except RuntimeError:  # a tensor without sizes or strides (sparse, nested): the check names it
+            check_leaves(leaves, leaf_paths(call))
+            raise
+        found = self._plans.get(key, _MISSING)
+        if found is _MISSING:
+            if not plan:
+                return None
+            found = self._plan_signature(key, call)
+        else:
+            self._plans.move_to_end(key)  # the most recently used, dropped last
+        self._last = found
+        return found, (self._flat_inputs(leaves, walk) if found is not None else None)
+
+    def _plan_signature(self, key: tuple, call: tuple[tuple, dict]) -> Plan | None:
+        """Plan a new signature and keep the plan, dropping the least recently used beyond ``max_plans``.
+        Nothing is kept when planning fails or is interrupted: the next call of the signature plans again."""
+        self._warn_if_values_vary(key, call)
+        try:
+            plan = self._build_plan(*call)
+            if self._verify:  # the plan that matches eager on this call (see memplan.verify)
+                walk = _Walk.of(self.original) if isinstance(self.original, nn.Module) else None
+                plan = check_first_call(self, plan, *call, state=self._flat_inputs([], walk))
+        except (CaptureError, UnsupportedInputError) as exc:
+            if self.fallback != "eager":
+                raise
+            warnings.warn(f"memplan runs this model eagerly (fallback='eager'): {exc}", stacklevel=_user_stacklevel())
+            plan = None
+        while len(self._plans) >= self.max_plans:
+            self._plans.popitem(last=False)
+            self._warn_evicted()
+        self._plans[key] = plan
+        return plan
+
+    def _warn_evicted(self) -> None:
+        """Warn, once per module, that a plan was dropped to keep ``max_plans``."""
+        if self._evicted:
+            return
+        self._evicted = True
+        original = self.original
+        name = type(original).__name__ if isinstance(original, nn.Module) else getattr(original, "__qualname__", "model")
+        warnings.warn(
+            f"memplan has planned {name} for {self.max_plans} input signatures (shapes, dtypes, devices, "
+            f"train/eval, grad mode) and keeps at most max_plans={self.max_plans}: it drops the least recently "
+            "used plan, and a signature seen again is planned again, which takes seconds. Plans are made for "
+            "fixed shapes (dimensions that vary are not supported). Fix: bucket the shapes, padding inputs to a "
+            "few sizes (round the sequence length or batch size up to a multiple of 64, and mask the padding), "
+            f"or raise the bound (memplan.optimize(model, max_plans={2 * self.max_plans})) if memory allows.",
+            stacklevel=_user_stacklevel(),
+        )
 
     def _warn_if_values_vary(self, key: tuple, call: tuple[tuple, dict]) -> None:
         """Warn once per set of tensor shapes when plain values, of the call's arguments or of the
@@ -442,6 +530,11 @@ class OptimizedModule(nn.Module):
         shapes = (spec, tuple(k[:2] if k and k[0] == "py" else k for k in per_leaf), params,
                   tuple(_names_only(entry) for entry in state), *rest)
         seen = self._value_plans.setdefault(shapes, [])
+        self._value_plans.move_to_end(shapes)
+        while len(self._value_plans) > self.max_plans:  # bounded as the plans are
+            self._value_plans.popitem(last=False)
+        if (per_leaf, state) in seen or len(seen) >= VALUE_PLANS_WARNING:
+            return  # planned again after its plan was dropped or planning failed; or warned already
         seen.append((per_leaf, state))
         if len(seen) != VALUE_PLANS_WARNING:
             return
@@ -462,8 +555,8 @@ class OptimizedModule(nn.Module):
                          "read as a tensor, not planned as a constant")
         warnings.warn(
             f"memplan has planned this model {len(seen)} times for the same tensor shapes, once per value of "
-            f"{', '.join(arguments + attributes)}: each new value is a new plan, which takes seconds, and every "
-            f"plan is kept. Fix: {'; '.join(fixes)}.",
+            f"{', '.join(arguments + attributes)}: each new value is a new plan, which takes seconds, and each "
+            f"plan is kept (up to max_plans={self.max_plans}). Fix: {'; '.join(fixes)}.",
             stacklevel=_user_stacklevel(),
         )
 
@@ -554,10 +647,17 @@ def _check_mutations(graph: CapturedGraph, am: AnalysisManager | None = None) ->
                         f"{spec.kind} '{spec.path}', which requires grad ({node.format_node()}){where}. memplan "
                         f"cannot plan in-place updates of differentiable inputs in training. Fix: {fix}"
                     )
+                if spec.kind == "parameter":  # a weight update (under no_grad), on the parameter or a view of it
+                    fix = (f"update the parameter outside the forward, before or after calling the model "
+                           f"(with torch.no_grad(): model.{spec.path}.mul_(...)), as an optimizer does; keep a value "
+                           "the forward updates in a buffer (register_buffer), which memplan plans; or use the "
+                           'out-of-place op; or pass fallback="eager".')
+                else:
+                    fix = 'use the out-of-place op (e.g. x = x + y), or pass fallback="eager".'
                 raise CaptureError(
                     f"the model writes in place into {spec.kind} '{spec.path}', which requires grad "
                     f"({node.format_node()}){where}. memplan cannot plan in-place updates of differentiable "
-                    'inputs. Fix: use the out-of-place op (e.g. x = x + y), or pass fallback="eager".'
+                    f"inputs in training (one autograd function runs the plan). Fix: {fix}"
                 )
 
 
@@ -581,6 +681,8 @@ def optimize(
     passes: str | Sequence[str] | None = None,
     fallback: str | None = None,
     options: Mapping[str, Any] | None = None,
+    max_plans: int = MAX_PLANS,
+    verify: bool = False,
 ) -> OptimizedModule:
     """Wrap ``model`` so that each call runs a memory-planned version of it.
 
@@ -600,6 +702,25 @@ def optimize(
         Run models that cannot be captured eagerly, with a warning, instead of raising.
     options : mapping, optional
         Pass options, named ``"<pass>.<option>"`` (each pass documents its own).
+    max_plans : int
+        Plans kept, one per input signature (default :data:`MAX_PLANS`); beyond it the least recently
+        used is dropped, with a warning the first time.
+    verify : bool
+        Check the first call of each signature against the model run eagerly on copies of the same
+        tensors, from the same RNG state: outputs, buffers after the call, and in training the
+        gradients of every argument and parameter that requires grad (taken with
+        ``torch.autograd.grad``, so ``.grad`` is left alone). On a difference the pass to blame is
+        rolled back (a :class:`~memplan.errors.PassRolledBackWarning`), and the call returns the
+        results of the plan without it. Costs an eager run and a second run of the plan on that call;
+        skipped, with a warning, where the eager run would not fit in the GPU's free memory.
+
+    Notes
+    -----
+    A pass that raises or breaks an invariant the pipeline verifies (graph lint, forward/backward
+    order, in-place writes clobbering a value read later) is rolled back: the plan is made without its
+    change, and a :class:`~memplan.errors.PassRolledBackWarning` names the pass, what broke, the
+    user's line involved and a saved reproducer (``opt.plan.records`` mark it ``rolled_back``). Inside
+    ``memplan.pipeline.pass_failures("raise")`` it raises :class:`~memplan.errors.PassError` instead.
 
     Examples
     --------
@@ -620,5 +741,6 @@ def optimize(
     names = parse_pipeline(DEFAULT_PIPELINE if passes is None else passes)
     _check_options(options or {})
     return OptimizedModule(
-        model, policy=Policy(budget=budget, max_overhead=max_overhead), passes=names, fallback=fallback, options=options
+        model, policy=Policy(budget=budget, max_overhead=max_overhead), passes=names, fallback=fallback,
+        options=options, max_plans=max_plans, verify=verify,
     )

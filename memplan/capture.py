@@ -10,7 +10,7 @@ is exactly a tensor autograd saved.
 
 Stages
 ------
-(1) Check and flatten the inputs: tensors (nested in tuples, lists, dicts; no sparse ones) become
+(1) Check and flatten the inputs: tensors (in tuples, lists, dicts; dense ones only) become
     placeholders; plain values (None, numbers, strings, dtypes: :data:`STATIC_TYPES`) are constants.
 (2) Build a flat function over ``parameters, buffers, user leaves`` that calls the model with the
     traced parameters and buffers in place of its own (as ``torch.func.functional_call`` does, but
@@ -29,7 +29,9 @@ Stages
     few ops thousands of times), and learns from the real kernel the sizes of outputs a fake kernel
     gets wrong (oneDNN's LSTM workspace, see :data:`memplan.opschema.GRAD_MODE_OPS`); a recorder it
     calls after each op notes the forward op's user line and when Python releases each storage.
-    Data-dependent control flow becomes a :class:`~memplan.errors.CaptureError` naming the user's line.
+    Data-dependent control flow becomes a :class:`~memplan.errors.CaptureError` naming the user's line;
+    an exception the model's own code raises is raised as it is. A process traces one model at a time
+    (:data:`TRACING`), and a failed or interrupted trace leaves no fake tensor on the model.
 (5) Read what the trace recorded (``val``, ``seq_nr``) and what the recorder saw once, into a frozen
     :class:`CapturedGraph` keyed by node name. Nothing later reads ``node.meta`` for decisions
     except the fake value of a node (``node.meta["val"]``), which is fx's own shape record, and the
@@ -51,6 +53,7 @@ import os
 import linecache
 import re
 import sys
+import threading
 import traceback
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -80,9 +83,17 @@ __all__ = [
     "sum_backward",
     "is_user_frame",
     "is_static_leaf",
+    "check_leaves",
+    "caller_line",
+    "TRACING",
     "leaf_paths",
     "STATIC_TYPES",
 ]
+
+#: Held while a model is traced, so a process traces one model at a time: a trace swaps the model's
+#: parameters for fake tensors, and patches process-wide functions (Python's ``random``,
+#: ``Tensor.register_hook``). Reentrant: a model may hold an optimized module, which plans inside the trace.
+TRACING = threading.RLock()
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _MEMPLAN_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -298,23 +309,50 @@ _OWN_GENERATOR_FIX = (
 )
 
 
-def _check_leaves(leaves: Sequence[Any], paths: Sequence[str]) -> None:
+def caller_line(doing: str = "called") -> str:
+    """`` (called at model.py:12: `y = opt(x)`)``: the innermost line of the user's code on the stack, for
+    messages ("" when there is none); ``doing`` says what that line does."""
+    for frame in reversed(traceback.extract_stack()):
+        if is_user_frame(frame.filename):
+            return f" ({doing} at {os.path.basename(frame.filename)}:{frame.lineno}: `{(frame.line or '').strip()}`)"
+    return ""
+
+
+def check_leaves(leaves: Sequence[Any], paths: Sequence[str]) -> None:
+    """Raise :class:`~memplan.errors.UnsupportedInputError` for an argument memplan cannot plan over
+    (``leaves`` and their ``paths`` as :func:`leaf_paths` gives them): neither a tensor nor a plain value,
+    a generator, or a tensor that is not dense (sparse, nested, quantized)."""
     for leaf, path in zip(leaves, paths):
         if is_static_leaf(leaf):
             continue
         if isinstance(leaf, torch.Generator):
-            raise UnsupportedInputError(f"{path} is a torch.Generator. {_OWN_GENERATOR_FIX}")
+            raise UnsupportedInputError(f"{path} is a torch.Generator{caller_line()}. {_OWN_GENERATOR_FIX}")
         if not isinstance(leaf, torch.Tensor):
             raise UnsupportedInputError(
                 f"memplan plans over tensors and plain values (None, bool, int, float, str, dtype, device, "
-                f"enum) only, but {path} is a {type(leaf).__name__} ({leaf!r:.60}). Fix: bind it first, e.g. "
-                "memplan.optimize(functools.partial(model_fn, config=config)), or store it on the module."
+                f"enum) only, but {path} is a {type(leaf).__name__} ({leaf!r:.60}){caller_line()}. Fix: bind it "
+                "first, e.g. memplan.optimize(functools.partial(model_fn, config=config)), or store it on the module."
             )
-        if leaf.layout != torch.strided:
+        kind = _unsupported_kind(leaf)
+        if kind is not None:
+            what, fix = kind
             raise UnsupportedInputError(
-                f"{path} is a {leaf.layout} tensor; memplan supports dense (strided) tensors only. "
-                "Fix: pass x.to_dense(), or keep the sparse part outside the optimized module."
+                f"{path} is a {what} tensor{caller_line()}; memplan plans dense (strided) tensors of real or "
+                f"complex numbers only. Fix: {fix}, or keep that part outside the optimized module."
             )
+
+
+def _unsupported_kind(tensor: torch.Tensor) -> tuple[str, str] | None:
+    """``(what the tensor is, the fix)`` for a tensor memplan cannot plan over, None for one it can: a
+    dense tensor (on any device, the meta device included; complex numbers included)."""
+    if tensor.is_nested:
+        return ("nested", "pad it into one dense tensor (torch.nested.to_padded_tensor(x, 0.0), or "
+                "nn.utils.rnn.pad_sequence) and pass a mask of the padding beside it")
+    if tensor.layout != torch.strided:
+        return (f"sparse ({tensor.layout})", "pass x.to_dense()")
+    if tensor.is_quantized:
+        return ("quantized", "pass x.dequantize() (and quantize the outputs yourself)")
+    return None
 
 
 def _model_name(model: Any) -> str:
@@ -339,6 +377,34 @@ def _check_requires_grad_unchanged(model: Any, traced: Sequence[torch.Tensor], g
                 f"requires_grad on {path} before calling the model (where the batch is made), or pass "
                 'fallback="eager" to memplan.optimize to run it unplanned.'
             )
+
+
+def _forward_line(model: Any) -> str:
+    """``"Model.forward (model.py:12)"``: where the model's forward (or the function) is defined."""
+    function = type(model).forward if isinstance(model, nn.Module) else model
+    function = getattr(function, "func", function)  # a functools.partial
+    code = getattr(function, "__code__", None)
+    name = getattr(function, "__qualname__", _model_name(model))
+    return f"{name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})" if code is not None else name
+
+
+def _check_outputs(model: Any, out: Any, flat_out: Sequence[Any]) -> None:
+    """Refuse an output that is neither a tensor nor a plain value (in tuples, lists, dicts, namedtuples,
+    or a class registered with pytree). A plan returns the outputs it computes and, for every other leaf,
+    the very object the trace returned: an object of the user's would hold the trace's fake tensors, and
+    would be the same object at every call, where eager returns a new one."""
+    for i, value in enumerate(flat_out):
+        if isinstance(value, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)) or is_static_leaf(value):
+            continue
+        where = leaf_paths((out, {}))[i].replace("args", "output", 1)
+        raise CaptureError(
+            f"{_forward_line(model)} returns a value of type {type(value).__name__} at {where}; memplan returns "
+            "tensors and plain values (None, numbers, strings, dtypes), in tuples, lists, dicts and namedtuples, "
+            "and a plan would give back the object it saw while planning, holding no real values, at every call. "
+            "Fix: return its tensors in a tuple or dict, or register its class with "
+            "torch.utils._pytree.register_dataclass (or register_pytree_node) so memplan sees inside it; or pass "
+            'fallback="eager" to memplan.optimize to run this model eagerly.'
+        )
 
 
 def leaf_paths(tree: Any) -> list[str]:
@@ -426,7 +492,7 @@ def capture(
     # Plain values (None, flags, scales) are constants of the plan; only tensors become placeholders.
     all_leaves, in_spec = pytree.tree_flatten((args, kwargs))
     all_paths = leaf_paths((args, kwargs))
-    _check_leaves(all_leaves, all_paths)
+    check_leaves(all_leaves, all_paths)
     tensor_at = [i for i, leaf in enumerate(all_leaves) if isinstance(leaf, torch.Tensor)]
     user_leaves = [all_leaves[i] for i in tensor_at]
     tensor_paths = [all_paths[i] for i in tensor_at]
@@ -477,12 +543,29 @@ def capture(
         recorder.in_backward = True
         _tag_backward_with_seq_nr([t.grad_fn for t in roots if t.grad_fn is not None])
 
+    def made_at(value: Any) -> str:
+        """`` at model.py:12 (...)``: the user's line of the op that made the first traced tensor in ``value``."""
+        for leaf in pytree.tree_leaves(value):
+            if isinstance(leaf, torch.Tensor):
+                try:
+                    line = recorder.sources.get(tracer.node_of(leaf).name)
+                except KeyError:
+                    continue
+                if line is not None:
+                    return f" at {line}"
+        return ""
+
     def traced_body(flat: Sequence[torch.Tensor]) -> list[Any]:
         before = _module_state(model)
         with substituted(flat):
-            results = traced_steps(flat)
+            try:
+                results = traced_steps(flat)
+            except BaseException:  # a failed or interrupted trace leaves no fake tensor on the model
+                if isinstance(model, nn.Module):
+                    _restore_module_state(model, before, tracer.fake_mode)
+                raise
             _check_module_state(model, before, dict(zip(buffer_names, flat[n_params : n_params + n_buffers])),
-                                tracer.fake_mode)
+                                tracer.fake_mode, made_at)
             return results
 
     def traced_steps(flat: Sequence[torch.Tensor]) -> list[Any]:
@@ -491,6 +574,7 @@ def capture(
             _check_requires_grad_unchanged(model, flat[n_params + n_buffers : n_params + n_buffers + n_user],
                                            user_leaves, tensor_paths)
         flat_out, out_spec = pytree.tree_flatten(out)
+        _check_outputs(model, out, flat_out)
         out_spec_box["spec"] = out_spec
         out_spec_box["differentiable"] = [isinstance(t, torch.Tensor) and t.requires_grad for t in flat_out]
         if not train:
@@ -520,7 +604,7 @@ def capture(
     for name in buffer_names:
         real_flat.append(buffers[name].detach())
     for leaf in user_leaves:
-        real_flat.append(leaf.detach().requires_grad_(leaf.requires_grad) if leaf.is_floating_point() else leaf.detach())
+        real_flat.append(leaf.detach().requires_grad_(leaf.requires_grad) if leaf.requires_grad else leaf.detach())
 
     # Step 4: trace over fake tensors. The cyclic garbage collector is paused: a trace keeps hundreds
     # of thousands of objects alive, and full collections over them made capture superlinear in the
@@ -530,6 +614,7 @@ def capture(
     recorder = _Recorder(stop=traced_body.__code__)
     tracer = Tracer(new_fake_mode(), observer=recorder)
     recorder.graph = tracer.graph
+    TRACING.acquire()  # released below, after the collector's state is put back
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -541,6 +626,7 @@ def capture(
             # autocast block and sums the gradient of that copy, and the plan must be that program
             quiet_meta_failures(),  # an op that fails is re-raised below, naming the user's line
             _python_random_refused(),
+            _hooks_watched(model),
         ):
             flat = tracer.placeholders(real_flat)
             with tracer:
@@ -554,10 +640,20 @@ def capture(
     except CaptureError:
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised as a domain error naming the user's line
+        if _raised_by_user_code(exc):
+            # the model's own `raise` (a check of its inputs, a hook that raises): eager raises it too, as it is
+            exc.add_note(
+                "memplan: raised by the model's code while memplan traced it to plan this input signature, over "
+                "tensors that have shapes but no values; the call did not run. If the model itself does not raise "
+                "here (opt.original(...)), the check reads something a trace changes (a tensor's values, or "
+                "type(x) is torch.Tensor): test shapes and dtypes instead, or see memplan's troubleshooting guide."
+            )
+            raise
         raise _capture_error(model, exc, tracer.graph, recorder.sources) from exc
     finally:
         if gc_was_enabled:
             gc.enable()
+        TRACING.release()
 
     # Step 5: read what the trace recorded, once.
     captured = _build_captured(
@@ -580,6 +676,82 @@ def capture(
     )
     _refuse_random_recomputation(captured)
     return captured
+
+
+class HookEffectError(RuntimeError):
+    """Raised inside a trace when a hook of the user's returns None: it is called for what it does besides
+    returning a value (recording, counting, printing), which a plan, running the traced graph, would not
+    do again. ``kind`` says which hook, ``hook`` is the function, ``registered`` the user's line that
+    registered it (for a tensor hook registered inside the forward)."""
+
+    def __init__(self, kind: str, hook: Any, registered: str | None):
+        named = "" if _is_torch_function(hook) else f" {_describe_function(hook)}"  # torch's name says nothing
+        super().__init__(f"the {kind}{named} returned None")
+        self.kind, self.hook, self.registered = kind, hook, registered
+
+
+# A module's hook dictionaries that a trace calls (its global and state-dict hooks are not traced).
+_MODULE_HOOKS = {"_forward_pre_hooks": "forward pre-hook", "_forward_hooks": "forward hook",
+                 "_backward_pre_hooks": "full backward pre-hook", "_backward_hooks": "full backward hook"}
+
+
+def _describe_function(function: Any) -> str:
+    """``"<lambda> (model.py:12)"``: a function's name and where it is defined, for messages."""
+    function = getattr(function, "func", function)  # a functools.partial
+    code = getattr(function, "__code__", None) or getattr(getattr(function, "__call__", None), "__code__", None)
+    name = getattr(function, "__qualname__", type(function).__qualname__)
+    return f"{name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})" if code is not None else name
+
+
+def _is_torch_function(function: Any) -> bool:
+    function = getattr(function, "func", function)
+    module = getattr(function, "__module__", None) or type(function).__module__ or ""
+    return module == "torch" or module.startswith("torch.")
+
+
+@contextlib.contextmanager
+def _hooks_watched(model: Any) -> Iterator[None]:
+    """While tracing, a hook of the user's that returns None raises :class:`HookEffectError`: the modules'
+    forward, forward pre-, and full backward (pre-) hooks, and the tensor hooks the traced code registers
+    (``h.register_hook``, ``register_multi_grad_hook``). The trace calls a hook once, over fake tensors:
+    what it returns becomes part of the plan (``lambda m, args, out: out * 2`` is planned), but what else
+    it does would happen only while planning, never at a later call. torch's own hooks are left alone
+    (those that keep state on the module are refused by :func:`_check_module_state`)."""
+    tracing = threading.get_ident()
+
+    def watched(kind: str, hook: Any, registered: str | None) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            result = hook(*args, **kwargs)
+            if result is None:
+                raise HookEffectError(kind, hook, registered)
+            return result
+        return call
+
+    swapped = []
+    if isinstance(model, nn.Module):
+        for path, module in model.named_modules():
+            for attribute, kind in _MODULE_HOOKS.items():
+                hooks = getattr(module, attribute)
+                for key, hook in list(hooks.items()):
+                    if not _is_torch_function(hook):
+                        swapped.append((hooks, key, hook))
+                        owner = f"submodule {path!r}" if path else "the model"
+                        hooks[key] = watched(f"{kind} of {owner}", hook, None)
+    register_hook = torch.Tensor.register_hook
+
+    def registering(tensor: torch.Tensor, hook: Callable[..., Any]) -> Any:
+        if threading.get_ident() == tracing:
+            hook = watched("tensor hook", hook, caller_line("registered") or None)
+        return register_hook(tensor, hook)
+
+    torch.Tensor.register_hook = registering
+    try:
+        yield
+    finally:
+        torch.Tensor.register_hook = register_hook
+        for hooks, key, hook in swapped:
+            if key in hooks:
+                hooks[key] = hook
 
 
 class PythonRandomError(RuntimeError):
@@ -923,28 +1095,25 @@ def _holds_fake(value: Any, mode: Any) -> bool:
     return isinstance(value, FakeTensor) and value.fake_mode is mode
 
 
-def _check_module_state(model: Any, before: list[tuple[nn.Module, str, Any, Any]],
-                        buffers: Mapping[str, torch.Tensor], mode: Any) -> None:
-    """Refuse a forward that keeps state on the module by Python assignment: a buffer given a new tensor
-    (``self.count = self.count + 1``), or a tensor of the forward stored in an attribute (``self.last =
-    h``, ``self.history.append(y)``). A plan runs the graph, not the module's Python, so such state would
-    never change again (and would hold the trace's fake tensors); with no error, outputs that read it
-    would silently differ from eager's. The attributes the trace changed are put back first."""
-    if not isinstance(model, nn.Module):
-        return
-    name = type(model).__name__
-    # Step 1: put back what the trace changed (a reassigned buffer is put back by the substitution).
+def _restore_module_state(model: nn.Module, before: list[tuple[nn.Module, str, Any, Any]],
+                          mode: Any) -> tuple[dict[str, Any], Any]:
+    """Put back every attribute of ``model``'s modules that the trace left holding one of its fake tensors
+    (``before`` is :func:`_module_state`'s record): as it was, or deleted when it is new. Also run when
+    the trace fails or is interrupted, so a model is never left holding fake tensors. Returns those
+    attributes' paths and the values the trace left, and ``(path, hook)`` for the first set by a torch
+    forward pre-hook (or None)."""
     known = {(id(module), attribute): (value, copy) for module, attribute, value, copy in before}
-    kept = []
+    kept: dict[str, Any] = {}
     hooked = None  # (attribute's path, torch's forward pre-hook of its module) of the first kept one
     for path, module in model.named_modules():
         for attribute, value in list(vars(module).items()):
             if attribute not in _MODULE_INTERNALS and _holds_fake(value, mode):
-                kept.append(f"{path}.{attribute}" if path else attribute)
+                where = f"{path}.{attribute}" if path else attribute
+                kept[where] = value
                 torch_hooks = [h for h in module._forward_pre_hooks.values()
                                if getattr(type(h), "__module__", "").startswith("torch.")]
                 if torch_hooks and hooked is None:
-                    hooked = (kept[-1], torch_hooks[0])
+                    hooked = (where, torch_hooks[0])
                 old = known.get((id(module), attribute))
                 if old is None:
                     delattr(module, attribute)
@@ -956,16 +1125,35 @@ def _check_module_state(model: Any, before: list[tuple[nn.Module, str, Any, Any]
                         value.extend(old[1])
                 else:
                     setattr(module, attribute, old[0])
+    return kept, hooked
+
+
+def _check_module_state(model: Any, before: list[tuple[nn.Module, str, Any, Any]],
+                        buffers: Mapping[str, torch.Tensor], mode: Any,
+                        made_at: Callable[[Any], str] = lambda value: "") -> None:
+    """Refuse a forward that keeps state on the module by Python assignment: a buffer given a new tensor
+    (``self.count = self.count + 1``), or a tensor of the forward stored in an attribute (``self.last =
+    h``, ``self.history.append(y)``). A plan runs the graph, not the module's Python, so such state would
+    never change again (and would hold the trace's fake tensors); with no error, outputs that read it
+    would silently differ from eager's. The attributes the trace changed are put back first. ``made_at``
+    gives the user's line of the op that made a traced value (`` at model.py:12 (...)``, or "")."""
+    if not isinstance(model, nn.Module):
+        return
+    name = type(model).__name__
+    # Step 1: put back what the trace changed (a reassigned buffer is put back by the substitution).
+    kept, hooked = _restore_module_state(model, before, mode)
     # Step 2: refuse.
     for path, installed in buffers.items():
         prefix, _, attribute = path.rpartition(".")
         owner = model.get_submodule(prefix) if prefix else model
         if owner._buffers.get(attribute) is not installed:
             raise CaptureError(
-                f"{name} assigns a new tensor to its buffer '{path}' in forward (e.g. `self.{attribute} = "
-                f"self.{attribute} + 1`). A plan runs the traced graph, not the module's Python, so the buffer "
-                f"would keep its old value and outputs reading it would differ from eager's. Fix: update it in "
-                f"place (self.{attribute}.add_(1), or self.{attribute}.copy_(new_value)), which memplan plans; "
+                f"{name} assigns a new tensor to its buffer '{path}' in forward"
+                f"{made_at(owner._buffers.get(attribute))} "
+                f"(e.g. `self.{attribute} = self.{attribute} + 1`). A plan runs the traced graph, not the module's "
+                "Python, so the buffer would keep its old value and outputs reading it would differ from eager's. "
+                f"Fix: update it in place (self.{attribute}.add_(1), or self.{attribute}.copy_(new_value)), which "
+                "memplan plans; "
                 'or pass fallback="eager" to memplan.optimize to run this model eagerly.'
             )
     if hooked is not None:
@@ -981,10 +1169,11 @@ def _check_module_state(model: Any, before: list[tuple[nn.Module, str, Any, Any]
             "memplan.optimize to run this model eagerly."
         )
     if kept:
+        path, value = next(iter(kept.items()))
         raise CaptureError(
-            f"{name} keeps a tensor its forward computed on the module (attribute '{kept[0]}'). A plan runs "
-            "the traced graph, not the module's Python, so that attribute would never be set again. Fix: "
-            "return the tensor as an output, or keep it in a buffer updated in place "
+            f"{name} keeps a tensor its forward computed on the module (attribute '{path}'{made_at(value)}). A "
+            "plan runs the traced graph, not the module's Python, so that attribute would never be set again. "
+            "Fix: return the tensor as an output, or keep it in a buffer updated in place "
             f"(self.register_buffer(...), then .copy_(value.detach())), which memplan plans; "
             'or pass fallback="eager" to memplan.optimize to run this model eagerly.'
         )
@@ -1118,6 +1307,25 @@ def _clobbered_input_message(name: str, op: str, shape: tuple[int, ...], nodes: 
     return None
 
 
+def _raised_by_user_code(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised by a ``raise`` statement (or an ``assert``) in the user's code: its
+    innermost frame is the user's and stopped at a raise instruction (not at a call of torch's C code,
+    ``.numpy()`` on a fake tensor), and it is none of the errors a trace makes."""
+    import dis
+
+    tb = exc.__traceback__
+    if tb is None or isinstance(exc, (PythonRandomError, HookEffectError, GeneratorArgumentError, NotDenseError)):
+        return False
+    if type(exc).__module__.startswith("torch."):  # a trace's own (a branch on a value), raised on the user's line
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    if not is_user_frame(code.co_filename) or not 0 <= tb.tb_lasti < len(code.co_code):
+        return False
+    return dis.opname[code.co_code[tb.tb_lasti]] in ("RAISE_VARARGS", "RERAISE")
+
+
 def _capture_error(model: Any, exc: BaseException, graph: torch.fx.Graph | None = None,
                    sources: Mapping[str, SourceLine] | None = None) -> CaptureError:
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
@@ -1183,6 +1391,25 @@ def _capture_error(model: Any, exc: BaseException, graph: torch.fx.Graph | None 
             "computation in tensor ops (t.mean() rather than t.numpy().mean()), move it outside the model, or "
             'pass fallback="eager" to memplan.optimize to run this model eagerly.'
         )
+    if isinstance(exc, HookEffectError):
+        if exc.registered is not None:  # a tensor hook the forward registers
+            where, fix = (exc.registered, (
+                "make the hook return the gradient it passes on (lambda g: g * 3 is planned), or return the "
+                "tensor as an output (h.clone() beside the result, when the model reads h too) and register the "
+                "hook on that output, which runs at every backward"))
+        else:
+            where, fix = (f" (called{at})" if at else "", (
+                "make the hook return the value it passes on (a hook that changes a value is planned), or register "
+                "it on the optimized module itself (opt.register_forward_hook(...), "
+                "opt.register_full_backward_hook(...)), which runs at every call around the plan, or return what "
+                "it records as an output of the model"))
+        return CaptureError(
+            f"memplan cannot capture {name}: {exc}{where}, so it is called for what it does besides returning a "
+            "value (recording, counting, printing, checking). A plan calls the hooks only once, while planning, "
+            "over tensors that hold no values; at every later call they would not run. Fix: "
+            f'{fix}; or inspect with opt.original, or pass fallback="eager" to memplan.optimize to run this model '
+            "eagerly."
+        )
     if isinstance(exc, PythonRandomError):
         return CaptureError(
             f"memplan cannot capture {name}: it draws from Python's random module{at} ({exc}). A plan would "
@@ -1194,6 +1421,12 @@ def _capture_error(model: Any, exc: BaseException, graph: torch.fx.Graph | None 
         return CaptureError(
             f"memplan cannot capture {name}: an op draws random numbers from a torch.Generator of its own{at}. "
             f"{_OWN_GENERATOR_FIX}"
+        )
+    if type(exc).__name__ == "FakeTensorDeviceMismatchError":
+        return CaptureError(
+            f"memplan cannot capture {name}: an op{at} reads tensors on two devices ({str(exc).splitlines()[0]}); "
+            "eager fails the same way. Fix: move the inputs to the model's device (x.to(device)), or the model "
+            "to theirs (model.to(device)) before calling it."
         )
     if isinstance(exc, NotDenseError):
         return CaptureError(

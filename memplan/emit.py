@@ -49,7 +49,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memplan.capture import CapturedGraph, Phase
+from memplan.capture import CapturedGraph, Phase, caller_line
 from memplan.errors import HigherOrderGradientError, OutputGradientHookError
 from memplan.opschema import GRAD_MODE_OPS
 
@@ -293,7 +293,8 @@ def emit(graph: CapturedGraph) -> Emitted:
         for program, name in programs:
             source, globals_ = _boxed_source(program)
             runners.append(_runner(gm, source, globals_, name, (node for node, saved in program.items
-                                                                if not saved and not isinstance(node, _HandOff))))
+                                                                if not saved and not isinstance(node, _HandOff)),
+                                   describe=graph.describe))
     except _Unsupported:
         # Something the direct code generation does not know: fx generates the modules' code.
         built = build_modules()
@@ -438,6 +439,9 @@ class PlanFunction(torch.autograd.Function):
         return tuple(result)
 
 
+_ACCUMULATING = threading.Lock()  # held while a planned backward adds a gradient to a .grad (see _early_accumulation)
+
+
 def _early_accumulation(leaves: Sequence[Any]) -> Callable[[int, Any], Any] | None:
     """A sink for :func:`_hand_off`: it adds gradient ``k`` to its leaf's ``.grad`` at once, as autograd's
     AccumulateGrad would after the backward returns, and frees it, where a ``.grad`` already exists
@@ -472,10 +476,12 @@ def _early_accumulation(leaves: Sequence[Any]) -> Callable[[int, Any], Any] | No
         leaf = taken.get(k)
         if leaf is None or not isinstance(grad, torch.Tensor) or grad.layout is not torch.strided:
             return grad
-        current = leaf.grad
-        if current is None or (current.shape, current.dtype, current.device) != (grad.shape, grad.dtype, grad.device):
-            return grad
-        current.add_(grad)  # AccumulateGrad's own update of an existing .grad outside grad mode
+        # two threads' planned backwards add to one .grad one after the other, as AccumulateGrad's own lock has it
+        with _ACCUMULATING:
+            current = leaf.grad
+            if current is None or (current.shape, current.dtype, current.device) != (grad.shape, grad.dtype, grad.device):
+                return grad
+            current.add_(grad)  # AccumulateGrad's own update of an existing .grad outside grad mode
         return None
 
     return sink
@@ -527,10 +533,10 @@ class _Release(torch.autograd.Function):
             if output is not None and (output._backward_hooks or output.retains_grad):
                 raise OutputGradientHookError(
                     f"output {i} of the optimized model has a hook or retain_grad(), and the model also reads "
-                    "it inside: its gradient there is added by the plan's backward, so the hook would see (and "
-                    "change) only the part from outside the model, where eager gives it the whole. Fix: hook "
-                    "or retain a copy the model does not read (return h.clone() beside h), or compute the "
-                    "hooked value outside the optimized module."
+                    f"it inside{caller_line('backward called')}: its gradient there is added by the plan's "
+                    "backward, so the hook would see (and change) only the part from outside the model, where "
+                    "eager gives it the whole. Fix: hook or retain a copy the model does not read (return "
+                    "h.clone() beside h), or compute the hooked value outside the optimized module."
                 )
         relay.grads = grad_outputs
         return None, torch.empty(0, device=relay.token)
@@ -547,11 +553,12 @@ class _FirstOrderOnly(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
         raise HigherOrderGradientError(
-            "a gradient of memplan's gradients was asked for (the gradients came from backward or "
-            "torch.autograd.grad with create_graph=True, then were differentiated again: a gradient "
-            "penalty, a Hessian-vector product, MAML). A plan computes first-order gradients from "
-            "values it saved outside autograd, so their own gradients would miss every term through "
-            "those values. Fix: run this computation with the model itself (opt.original)."
+            f"a gradient of memplan's gradients was asked for{caller_line('backward called')} (the "
+            "gradients came from backward or torch.autograd.grad with create_graph=True, then were "
+            "differentiated again: a gradient penalty, a Hessian-vector product, MAML). A plan computes "
+            "first-order gradients from values it saved outside autograd, so their own gradients would "
+            "miss every term through those values. Fix: run this computation with the model itself "
+            "(opt.original)."
         )
 
 
@@ -586,11 +593,13 @@ def fast_callable(gm: torch.fx.GraphModule) -> Callable[[list[Any]], Any]:
 
 
 def _runner(
-    root: torch.nn.Module, src: str, globals_: dict[str, Any], name: str, nodes: Iterable[torch.fx.Node]
+    root: torch.nn.Module, src: str, globals_: dict[str, Any], name: str, nodes: Iterable[torch.fx.Node],
+    describe: Callable[[str], str] | None = None,
 ) -> Callable[[list[Any]], Any]:
     """Compile the boxed function ``forward(self, args_list)`` in ``src`` with its operators bound (see
     :func:`fast_callable`; ``nodes`` are the calls the code makes, which choose the bindings), and call it
-    with ``root`` as ``self`` (where its submodules and attributes are)."""
+    with ``root`` as ``self`` (where its submodules and attributes are). An exception an op raises gets a
+    note naming the op and, through ``describe`` (a node name to its op and the user's line), its line."""
     bound: dict[str, Any] = {}
     names: dict[str, str] = {}
     nodes = list(nodes)
@@ -618,9 +627,39 @@ def _runner(
     function = namespace["forward"]
 
     def call(args: list[Any]) -> Any:
-        return function(root, args)
+        try:
+            return function(root, args)
+        except Exception as exc:
+            _note_failing_op(exc, f"<memplan {name}>", source, describe)
+            raise
 
     return call
+
+
+_ASSIGNED = re.compile(r"^\s*(\w+)(?:\s*,\s*\w+)*\s*=")
+
+
+def _note_failing_op(exc: Exception, filename: str, source: str, describe: Callable[[str], str] | None) -> None:
+    """Add a note to ``exc`` naming the op of the generated code (``filename``, ``source``) that raised it
+    and the user's line it came from: the traceback shows only the generated code (an out-of-memory
+    error, or eager's own error for inputs eager refuses too, such as two dtypes)."""
+    tb, lineno = exc.__traceback__, None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == filename:
+            lineno = tb.tb_lineno
+        tb = tb.tb_next
+    lines = source.splitlines()
+    if lineno is None or not 0 < lineno <= len(lines):
+        return
+    found = _ASSIGNED.match(lines[lineno - 1])
+    what = f"`{found.group(1)}`" if found else "an op"
+    if found and describe is not None:
+        try:
+            what = describe(found.group(1))
+        except KeyError:
+            pass
+    phase = "backward" if "Backward" in filename else "forward"
+    exc.add_note(f"memplan: raised by {what} in the plan's {phase}")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,6 +14,8 @@ __all__ = [
     "InfeasibleBudgetError",
     "PassError",
     "HigherOrderGradientError",
+    "PassRolledBackWarning",
+    "VerificationWarning",
 ]
 
 
@@ -46,7 +48,35 @@ class InfeasibleBudgetError(MemplanError):
 
 
 class PassError(MemplanError):
-    """A pass failed or broke an invariant; names the pass and the pipeline before it."""
+    """A pass failed or broke an invariant; names the pass and the pipeline before it.
+
+    Raised only where failures are asked to raise (``PassManager(on_failure="raise")``, or inside
+    :func:`memplan.pipeline.pass_failures` ``("raise")``); elsewhere the pass is rolled back with a
+    :class:`PassRolledBackWarning`.
+    """
+
+
+class PassRolledBackWarning(UserWarning):
+    """A pass failed, broke an invariant or changed the results, and the plan was made without it.
+
+    The plan is correct (the pass's change is not in it) but may use more memory than it would with
+    the pass. ``pass_name``: the pass; ``reason``: what it did wrong; ``source``: the user's line of
+    the node involved (None when there is none); ``reproducer``: where its reproducer was saved (None
+    when none was), which :func:`memplan.pipeline.replay` runs.
+    """
+
+    def __init__(self, message: str, *, pass_name: str = "", reason: str = "", source: str | None = None,
+                 reproducer: str | None = None):
+        super().__init__(message)
+        self.pass_name = pass_name
+        self.reason = reason
+        self.source = source
+        self.reproducer = reproducer
+
+
+class VerificationWarning(UserWarning):
+    """``optimize(..., verify=True)`` skipped its check (the eager copy would not fit in memory), or
+    found the plan differing from eager with no pass to blame, and ran that signature eagerly."""
 
 
 class HigherOrderGradientError(MemplanError, RuntimeError):

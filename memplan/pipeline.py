@@ -11,19 +11,31 @@ graph, invalidates the analyses the pass did not preserve, then verifies:
     reads after it (a stale read), beyond those the user's own code already had. This one is checked
     after each pass when ``reproducer_dir`` is set, otherwise once on the last graph (a stale read
     there was added by a pass and survived the rest; the error names the last pass that added its
-    writer or reader).
+    writer or reader; rolling back, the passes run again with the check after each, to find it).
 
-A failing pass raises :class:`~memplan.errors.PassError` naming it and the passes before it, and a
-reproducer (graph, metadata, pipeline string) is saved when ``reproducer_dir`` is set;
-:func:`replay` runs a pipeline on a saved reproducer.
+A failing pass (one that raises, breaks one of these invariants, or returns a new graph with
+``changed=False``) is rolled back: the plan is made without its change, a
+:class:`~memplan.errors.PassRolledBackWarning` names it, what broke, the user's line of the node
+involved and a saved reproducer (graph, metadata, pipeline string), and the later passes run. Under
+``on_failure="raise"`` (or inside :func:`pass_failures` ``("raise")``, as memplan's tests run) it
+raises :class:`~memplan.errors.PassError` naming it and the passes before it instead, with a
+reproducer saved when ``reproducer_dir`` is set. :func:`replay` runs a pipeline on a saved
+reproducer, raising at the failure it saved.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import hashlib
 import json
 import pathlib
+import re
+import sys
+import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -35,9 +47,9 @@ from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.memory import MemoryAnalysis
 from memplan.analysis.peak import PeakSimulation, step_margin
 from memplan.analysis.tensors import Tensors
-from memplan.capture import CapturedGraph, InputSpec, OutputSpec, Phase, SourceLine
-from memplan.errors import InfeasibleBudgetError, PassError
-from memplan.graphutil import copy_graph, is_pure_view, mutated_args
+from memplan.capture import CapturedGraph, InputSpec, OutputSpec, Phase, SourceLine, is_user_frame
+from memplan.errors import InfeasibleBudgetError, PassError, PassRolledBackWarning
+from memplan.graphutil import copy_graph, create_node, is_pure_view, mutated_args
 from memplan.measure import format_bytes
 from memplan.policy import Policy
 
@@ -50,6 +62,8 @@ __all__ = [
     "PassRecord",
     "PipelineResult",
     "PassManager",
+    "pass_failures",
+    "failure_mode",
     "register_pass",
     "registered_passes",
     "pass_options",
@@ -358,6 +372,7 @@ class PassRecord:
     peak_before: int
     peak_after: int
     plan: Any = None
+    rolled_back: str | None = None  # what the pass did wrong, when its change was rolled back
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,6 +382,11 @@ class PipelineResult:
     graph: CapturedGraph
     records: tuple[PassRecord, ...]
     analyses: AnalysisManager | None = None
+
+    @property
+    def rolled_back(self) -> tuple[str, ...]:
+        """The passes whose change was rolled back (their records say why)."""
+        return tuple(r.name for r in self.records if r.rolled_back is not None)
 
     def graph_analyses(self) -> AnalysisManager:
         """The run's analyses when they are of its last graph (computing them again takes seconds on an
@@ -391,9 +411,30 @@ class PassManager:
         Pass names, e.g. ``"inplace,schedule"``.
     policy : Policy
     reproducer_dir : path, optional
-        Where to save a reproducer when a pass fails.
+        Where to save a reproducer when a pass fails (when rolling back without it, a folder
+        ``memplan-repro-<pass>-<hash>`` of the temporary directory).
+    on_failure : {"rollback", "raise"}, optional
+        What happens when a pass raises, breaks an invariant or lies about ``changed``: the plan is
+        made without that pass's change and a :class:`~memplan.errors.PassRolledBackWarning` names the
+        pass, what broke, the user's line of the node involved and the saved reproducer
+        (``"rollback"``); or :class:`~memplan.errors.PassError` is raised (``"raise"``: for tests, and
+        for people writing passes). None (the default): the mode of the enclosing
+        :func:`pass_failures` block, ``"rollback"`` outside any. An
+        :class:`~memplan.errors.InfeasibleBudgetError` or out-of-memory error raised inside a pass is
+        never rolled back (it raises :class:`~memplan.errors.PassError`, as under ``"raise"``).
     before_pass, after_pass : callables ``(name, graph)``, optional
-        Instrumentation hooks.
+        Instrumentation hooks (called again for the passes before a failing one, which run again).
+
+    Rollback
+    --------
+    A pass may edit the graph it is given, so the manager keeps a copy of the first graph when a
+    failure may need it. When pass *i* fails: (1) the graph it was given is made again (the copy, run
+    through the passes before *i*) and saved as the reproducer; (2) the passes run again from the copy
+    without *i*, whose record says ``rolled_back``. When the in-place hazard check on the last graph
+    fails (see the module docstring), the passes run again from the copy with the check after each,
+    which names the pass that added the hazard; that pass is then rolled back as above. A failure
+    costs a few runs of the pipeline; a run without one costs nothing when the caller hands over the
+    unedited graph it copied (``pristine=``, as ``memplan.optimize`` and the ladder do), else one copy.
     """
 
     def __init__(
@@ -403,6 +444,7 @@ class PassManager:
         *,
         options: Mapping[str, Any] | None = None,
         reproducer_dir: str | pathlib.Path | None = None,
+        on_failure: str | None = None,
         before_pass: Instrument | None = None,
         after_pass: Instrument | None = None,
     ):
@@ -410,19 +452,28 @@ class PassManager:
         self.policy = policy or Policy()
         self.options = dict(options or {})
         self.reproducer_dir = pathlib.Path(reproducer_dir) if reproducer_dir is not None else None
+        self.on_failure = _check_mode(on_failure) if on_failure is not None else None
         self.before_pass = before_pass
         self.after_pass = after_pass
+        # The ladder plans one graph many times, and a pass that fails on one plan fails on the others
+        # alike: one reproducer per (pass, what it did wrong), and one warning.
+        self._rolled_back: dict[tuple[str, str], pathlib.Path | None] = {}
+        self._warned: set[tuple[str, str]] = set()
 
     @property
     def pipeline(self) -> str:
         return ",".join(self.passes)
 
-    def run(self, graph: CapturedGraph, known: Mapping[type, Any] | None = None) -> PipelineResult:
+    def run(self, graph: CapturedGraph, known: Mapping[type, Any] | None = None,
+            pristine: CapturedGraph | None = None) -> PipelineResult:
         """Run the passes on ``graph`` and return the last graph with a record per pass.
 
         ``known``: analyses of ``graph`` the caller already has, by class, that do not read
         ``graph.lifetimes`` (the pipeline plans with graph lifetimes), e.g. the :class:`Tensors` of the
         graph ``graph`` was copied from: a copy has the same nodes, order and fake values.
+
+        ``pristine``: the graph ``graph`` was copied from, when the caller keeps it unedited: a rollback
+        starts again from a copy of it, which saves copying ``graph`` before the first pass.
 
         Without a budget (or with one and ``when_over`` other than ``"raise"``), the passes run once,
         editing ``graph`` in place, each choosing under the policy.
@@ -436,7 +487,7 @@ class PassManager:
         """
         budget = self.policy.budget
         if budget is None or self.policy.when_over != "raise":
-            return self._run(graph, self.policy, known)
+            return self._run(graph, self.policy, known, pristine=pristine)
         smallest = lowest = None
         for result, peak in self.ladder(graph, known):
             smallest, lowest = peak, result
@@ -476,22 +527,22 @@ class PassManager:
         plan without a budget (at the policy's ``max_overhead``) when its peak is lower still, so a budget
         that the unbudgeted plan meets is never refused. ``known``: as for :meth:`run`.
         """
-        result = self._run(copy_graph(graph), dataclasses.replace(self.policy, budget=None, max_overhead=0.0), known)
+        result = self._run(copy_graph(graph), dataclasses.replace(self.policy, budget=None, max_overhead=0.0), known, pristine=graph)
         lowest = _step_peak(result)
         yield result, lowest
         loops_first = self._loops_first()
         while True:
             target = int(lowest * LADDER_STEP)
-            result = self._run(copy_graph(graph), dataclasses.replace(self.policy, budget=target, when_over="overhead"), known)
+            result = self._run(copy_graph(graph), dataclasses.replace(self.policy, budget=target, when_over="overhead"), known, pristine=graph)
             peak = _step_peak(result)
             if peak > target:
                 lowest_policy = dataclasses.replace(self.policy, budget=target, when_over="lowest")
-                result = self._run(copy_graph(graph), lowest_policy, known)
+                result = self._run(copy_graph(graph), lowest_policy, known, pristine=graph)
                 peak = _step_peak(result)
                 if peak > target and loops_first is not None:
                     # Recomputing an unrolled loop's states all at once (remat's lowest plan on its own)
                     # leaves timesteps no saved step to checkpoint; the loops checkpointed first may go lower.
-                    other = self._run(copy_graph(graph), lowest_policy, known, passes=loops_first)
+                    other = self._run(copy_graph(graph), lowest_policy, known, passes=loops_first, pristine=graph)
                     other_peak = _step_peak(other)
                     if other_peak < peak:
                         result, peak = other, other_peak
@@ -504,7 +555,7 @@ class PassManager:
         # Last, the plan without a budget, when it is lower: each pass choosing under max_overhead alone can
         # end lower than the rungs, whose early passes took what met the rung's budget on their own and
         # left the later passes less to gain (chunk loops that remat can neither save nor recompute).
-        result = self._run(copy_graph(graph), dataclasses.replace(self.policy, budget=None), known)
+        result = self._run(copy_graph(graph), dataclasses.replace(self.policy, budget=None), known, pristine=graph)
         peak = _step_peak(result)
         if peak < lowest:
             yield result, peak
@@ -520,21 +571,64 @@ class PassManager:
         return tuple(order)
 
     def _run(self, graph: CapturedGraph, policy: Policy, known: Mapping[type, Any] | None = None,
-             passes: Sequence[str] | None = None) -> PipelineResult:
+             passes: Sequence[str] | None = None, pristine: CapturedGraph | None = None) -> PipelineResult:
+        """Run ``passes`` on ``graph``, rolling back or raising at a failing pass (see the class).
+        ``pristine``: a graph equal to ``graph`` that nothing edits (the caller's, the ladder's), else a
+        copy of ``graph`` is kept when a failure may need one."""
         passes = self.passes if passes is None else tuple(passes)
         graph = dataclasses.replace(graph, lifetimes="graph")
-        am = AnalysisManager(graph, known)
-        baseline_hazards = mutation_hazards(graph, am)
+        rollback = self._mode() == "rollback"
         # In-place hazards are checked after every pass when a failure would save a reproducer (the
         # graph before the failing pass); otherwise once, on the last graph: a hazard there that the
         # first graph lacks was added by some pass and survived the later ones, which the check after
         # every pass would have caught too. On a long unrolled loop each check costs about half a second.
+        # Rolling back, a failed last check runs the passes again with the check after each, which
+        # names the pass to roll back: the cost falls on the run that found a broken pass.
         stepwise = self.reproducer_dir is not None
+        source = None
+        if rollback or stepwise:
+            source = dataclasses.replace(_snapshot(graph) if pristine is None else pristine, lifetimes="graph")
+        baseline = None  # the hazards of the first graph, which every attempt starts from a copy of
+        skipped: dict[int, str] = {}  # pass index -> what it did wrong (rolled back)
+        while True:
+            am = AnalysisManager(graph, known)
+            if baseline is None:
+                baseline = mutation_hazards(graph, am)
+            try:
+                return self._attempt(graph, am, policy, passes, baseline, stepwise, skipped)
+            except _PassFailed as failure:
+                if rollback and failure.final and not stepwise:
+                    stepwise = True  # again, checking after each pass, to find the pass that added it
+                else:
+                    path = self._save(failure, source, policy, known, passes, skipped)
+                    if not rollback or failure.fatal:
+                        raise self._error(failure, passes, skipped, path) from failure.cause
+                    skipped[failure.index] = failure.what
+                    self._warn(failure, passes, skipped, path)
+            graph = _snapshot(source)
+
+    def _mode(self) -> str:
+        return self.on_failure if self.on_failure is not None else failure_mode()
+
+    def _attempt(self, graph: CapturedGraph, am: AnalysisManager, policy: Policy, passes: Sequence[str],
+                 baseline: frozenset[tuple[str, str]], stepwise: bool, skipped: Mapping[int, str],
+                 stop: int | None = None) -> PipelineResult:
+        """One run of ``passes`` on ``graph``, leaving out those in ``skipped`` (recorded as rolled back);
+        raises :class:`_PassFailed` at the first failure. ``stop``: return before that pass, without
+        calling the hooks (the graph a failing pass was given, made again for its reproducer)."""
+        hooks = stop is None
         names = None if stepwise else {(n.name, n.target) for n in graph.gm.graph.nodes}
         created: list[tuple[int, str, set[str]]] = []  # (index, pass, names of the nodes it added or retargeted)
         records = []
         for i, name in enumerate(passes):
-            if self.before_pass is not None:
+            if i == stop:
+                break
+            if i in skipped:
+                peak = am.get(PeakSimulation).peak
+                records.append(PassRecord(name, False, PassStats(), (f"rolled back: {skipped[i]}",), 0.0, peak, peak,
+                                          rolled_back=skipped[i]))
+                continue
+            if hooks and self.before_pass is not None:
                 self.before_pass(name, graph)
             peak_before = am.get(PeakSimulation).peak
             ctx = PassContext(am=am, policy=policy, options=self.options)
@@ -542,52 +636,201 @@ class PassManager:
             try:
                 result = _REGISTRY[name](graph, ctx)
             except Exception as exc:
-                raise self._failure(name, i, graph, f"raised {type(exc).__name__}: {exc}", passes) from exc
+                what = f"raised {type(exc).__name__}" + (f": {exc}" if str(exc) else "")
+                # a budget no plan meets, or memory running out, is not the pass's bug to leave out
+                fatal = isinstance(exc, (InfeasibleBudgetError, MemoryError, torch.OutOfMemoryError))
+                raise _PassFailed(i, name, what, graph, cause=exc, fatal=fatal) from exc
             seconds = time.perf_counter() - start
             if result.changed:
-                am.update(result.graph, result.preserved, computed=result.analyses)
+                new: frozenset[tuple[str, str]] = frozenset()
                 try:
+                    am.update(result.graph, result.preserved, computed=result.analyses)
                     verify(result.graph, am)
                     if stepwise:
                         hazards = mutation_hazards(result.graph, am)
-                        if hazards - baseline_hazards:
-                            raise AssertionError(_hazard_message(hazards - baseline_hazards))
-                        baseline_hazards = hazards
+                        new = hazards - baseline
+                        baseline = hazards
+                    am.get(PeakSimulation)
                 except AssertionError as exc:
-                    raise self._failure(name, i, graph, f"broke an invariant: {exc}", passes) from exc
+                    raise _PassFailed(i, name, f"broke an invariant: {exc}", result.graph, cause=exc) from exc
+                except Exception as exc:  # an analysis failing on the pass's graph: the pass's fault too
+                    what = f"left a graph memplan's analyses fail on ({type(exc).__name__}: {exc})"
+                    raise _PassFailed(i, name, what, result.graph, cause=exc) from exc
+                if new:
+                    raise _PassFailed(i, name, f"broke an invariant: {_hazard_message(new)}", result.graph,
+                                      nodes=sorted(new)[0])
                 if not stepwise:
                     now = {(n.name, n.target) for n in result.graph.gm.graph.nodes}
                     created.append((i, name, {node for node, _ in now - names}))
                     names = now
                 graph = result.graph
             elif result.graph is not graph:
-                raise self._failure(name, i, graph, "returned a new graph but reported changed=False", passes)
+                raise _PassFailed(i, name, "returned a new graph but reported changed=False", graph)
             peak_after = am.get(PeakSimulation).peak
             records.append(
                 PassRecord(name, result.changed, result.stats, result.notes, seconds, peak_before, peak_after, result.plan)
             )
-            if self.after_pass is not None:
+            if hooks and self.after_pass is not None:
                 self.after_pass(name, graph)
-        if created:
-            new = mutation_hazards(graph, am) - baseline_hazards
+        if created and stop is None:
+            new = mutation_hazards(graph, am) - baseline
             if new:
                 # the pass named: the last one that added (or retargeted) the writer or the reader (the
                 # last pass that changed the graph when neither was, the hazard coming from a new order)
                 involved = set(sorted(new)[0])
                 i, name, _ = next((c for c in reversed(created) if c[2] & involved), created[-1])
                 what = f"broke an invariant: {_hazard_message(new)} (checked after the last pass; a reproducer_dir checks after each)"
-                raise self._failure(name, i, graph, what, passes)
+                raise _PassFailed(i, name, what, graph, nodes=sorted(new)[0], final=True)
         return PipelineResult(graph, tuple(records), am)
 
-    def _failure(self, name: str, index: int, graph: CapturedGraph, what: str, passes: Sequence[str]) -> PassError:
-        before = ",".join(passes[:index]) or "(none)"
-        message = f"pass {name!r} {what}. Passes run before it: {before}."
-        if self.reproducer_dir is not None:
-            path = save_reproducer(graph, ",".join(passes[index:]), self.reproducer_dir / f"memplan-repro-{name}")
+    def _save(self, failure: "_PassFailed", source: CapturedGraph | None, policy: Policy,
+              known: Mapping[type, Any] | None, passes: Sequence[str],
+              skipped: Mapping[int, str]) -> pathlib.Path | None:
+        """Save the failing pass's reproducer: the graph it was given (made again from ``source``, as the
+        pass may have edited the one it had) and the pipeline from it on. None: nothing to save from."""
+        key = (failure.name, failure.what)
+        if key in self._rolled_back:
+            return self._rolled_back[key]
+        if source is None:
+            return None
+        rest = ",".join(p for j, p in enumerate(passes) if j >= failure.index and j not in skipped)
+        before = _snapshot(source)
+        try:
+            am = AnalysisManager(before, known)
+            before = self._attempt(before, am, policy, passes, mutation_hazards(before, am), False, skipped,
+                                   stop=failure.index).graph
+        except _PassFailed:  # the passes before it failed this time: replay all of them from the first graph
+            before = source
+            rest = ",".join(p for j, p in enumerate(passes) if j not in skipped)
+        where = self.reproducer_dir / f"memplan-repro-{failure.name}" if self.reproducer_dir is not None else None
+        path = save_reproducer(before, rest, where, name=failure.name)
+        self._rolled_back[key] = path
+        return path
+
+    def _error(self, failure: "_PassFailed", passes: Sequence[str], skipped: Mapping[int, str],
+               path: pathlib.Path | None) -> PassError:
+        before = _ran_before(failure, passes, skipped)
+        message = f"pass {failure.name!r} {failure.what}{_where(failure)}. Passes run before it: {before}."
+        if path is not None:
             message += f" Reproducer saved to {path}; replay it with memplan.pipeline.replay({str(path)!r})."
         else:
             message += " Pass reproducer_dir= to save a reproducer."
         return PassError(message)
+
+    def _warn(self, failure: "_PassFailed", passes: Sequence[str], skipped: Mapping[int, str],
+              path: pathlib.Path | None) -> None:
+        if failure.warned_key() in self._warned:
+            return
+        self._warned.add(failure.warned_key())
+        source = _user_source(failure)
+        message = (
+            f"memplan rolled back pass {failure.name!r}, which {failure.what}{_where(failure)}: the plan is made "
+            f"without that pass's change, so it may use more memory than it would with it (passes run before "
+            f"it: {_ran_before(failure, passes, skipped)}). "
+            + (f"Reproducer saved to {path}; replay it with memplan.pipeline.replay({str(path)!r}). " if path else "")
+            + "This is a bug in the pass: please report it with the reproducer."
+        )
+        warnings.warn(
+            PassRolledBackWarning(message, pass_name=failure.name, reason=failure.what,
+                                  source=None if source is None else str(source[1]),
+                                  reproducer=None if path is None else str(path)),
+            stacklevel=user_stacklevel(),
+        )
+
+
+class _PassFailed(Exception):
+    """A pass failed inside :meth:`PassManager._attempt`: which, what it did, and on which graph (the
+    pass's result, or the graph it was given when it raised)."""
+
+    def __init__(self, index: int, name: str, what: str, graph: CapturedGraph, *, cause: BaseException | None = None,
+                 nodes: Sequence[str] = (), final: bool = False, fatal: bool = False):
+        super().__init__(what)
+        self.index, self.name, self.what, self.graph = index, name, what, graph
+        self.cause, self.nodes, self.final, self.fatal = cause, tuple(nodes), final, fatal
+
+    def warned_key(self) -> tuple[str, str]:
+        return (self.name, self.what)
+
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _user_source(failure: _PassFailed) -> tuple[str, SourceLine] | None:
+    """The first node the failure names (its writer and reader, else a node named in its message) that
+    has a user's line, with that line."""
+    sources = failure.graph.sources
+    for name in (*failure.nodes, *_NAME.findall(failure.what)):
+        source = sources.get(name)
+        if source is not None:
+            return name, source
+    return None
+
+
+def _where(failure: _PassFailed) -> str:
+    found = _user_source(failure)
+    return "" if found is None else f" (node {found[0]}, from the user's line {found[1]})"
+
+
+def _ran_before(failure: _PassFailed, passes: Sequence[str], skipped: Mapping[int, str]) -> str:
+    return ",".join(p for j, p in enumerate(passes[: failure.index]) if j not in skipped) or "(none)"
+
+
+def _snapshot(graph: CapturedGraph) -> CapturedGraph:
+    """A copy of ``graph`` that no pass run on another copy can change: its own nodes, and its own
+    name-keyed mappings (a pass is to replace them, but one that edits them in place must not reach
+    the graph the pipeline rolls back to)."""
+    copied = copy_graph(graph)
+    return dataclasses.replace(copied, phases=dict(graph.phases), sources=dict(graph.sources),
+                               seq_nr=dict(graph.seq_nr), released_after=dict(graph.released_after))
+
+
+_ON_FAILURE: contextvars.ContextVar[str] = contextvars.ContextVar("memplan_pass_failures", default="rollback")
+
+
+def _check_mode(mode: str) -> str:
+    if mode not in ("raise", "rollback"):
+        raise ValueError(f'on_failure must be "raise" or "rollback", not {mode!r}')
+    return mode
+
+
+@contextlib.contextmanager
+def pass_failures(mode: str) -> Iterator[None]:
+    """Within the block, a :class:`PassManager` made without ``on_failure=`` (``memplan.optimize``'s
+    included, and its ``verify=True`` check) handles a failing pass as ``mode`` says: ``"raise"`` a
+    :class:`~memplan.errors.PassError`, or ``"rollback"`` (the default outside any block). memplan's own
+    tests run under ``"raise"``, so that a broken pass fails them rather than warn.
+
+    Examples
+    --------
+    >>> with pass_failures("raise"):
+    ...     PassManager("")._mode()
+    'raise'
+    >>> PassManager("")._mode()
+    'rollback'
+    """
+    token = _ON_FAILURE.set(_check_mode(mode))
+    try:
+        yield
+    finally:
+        _ON_FAILURE.reset(token)
+
+
+def failure_mode() -> str:
+    """How failing passes are handled here: ``"raise"`` inside :func:`pass_failures` ``("raise")``,
+    else ``"rollback"`` (what a :class:`PassManager` made without ``on_failure=`` does)."""
+    return _ON_FAILURE.get()
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning point at the user's line: the first frame, counted from
+    the one calling ``warnings.warn``, outside memplan and torch (1 when there is none)."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename.startswith("<") or is_user_frame(filename):  # a file of the user's, or a REPL cell
+            return level
+        frame, level = frame.f_back, level + 1
+    return 1
 
 
 def _holders(result: PipelineResult | None, top: int = 3) -> tuple[str, ...]:
@@ -613,8 +856,15 @@ def _step_peak(result: PipelineResult) -> int:
 # reproducers
 
 
-def save_reproducer(graph: CapturedGraph, pipeline: str, path: str | pathlib.Path) -> pathlib.Path:
-    """Save ``graph`` (code, constants, metadata, input shapes) and the pipeline to replay on it."""
+def save_reproducer(graph: CapturedGraph, pipeline: str, path: str | pathlib.Path | None = None, *,
+                    name: str = "pipeline") -> pathlib.Path:
+    """Save ``graph`` (code, constants, metadata, input shapes) and the pipeline to replay on it.
+
+    ``path`` None: the folder ``memplan-repro-<name>-<hash>`` of the temporary directory, the hash
+    that of the graph's code and the pipeline (the same failure is saved to the same folder)."""
+    if path is None:
+        digest = hashlib.sha1(f"{pipeline}\n{graph.gm.code}".encode()).hexdigest()[:12]
+        path = pathlib.Path(tempfile.gettempdir()) / f"memplan-repro-{name}-{digest}"
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
@@ -636,6 +886,7 @@ def save_reproducer(graph: CapturedGraph, pipeline: str, path: str | pathlib.Pat
         "inputs": [dataclasses.asdict(s) for s in graph.inputs],
         "outputs": [dataclasses.asdict(s) for s in graph.outputs],
         "input_tensors": inputs_meta,
+        "nodes": [n.name for n in graph.gm.graph.nodes],
     }
     (path / "meta.json").write_text(json.dumps(meta, indent=1))
     (path / "graph.py").write_text(graph.gm.code)
@@ -654,6 +905,7 @@ def load_reproducer(path: str | pathlib.Path) -> tuple[CapturedGraph, str]:
     path = pathlib.Path(path)
     meta = json.loads((path / "meta.json").read_text())
     gm = torch.load(path / "graph.pt", weights_only=False)
+    _restore_names(gm, meta.get("nodes"))
     mode = FakeTensorMode()
     fake_inputs = []
     for spec in meta["input_tensors"]:
@@ -677,7 +929,32 @@ def load_reproducer(path: str | pathlib.Path) -> tuple[CapturedGraph, str]:
     return graph, meta["pipeline"]
 
 
+def _restore_names(gm: torch.fx.GraphModule, names: Sequence[str] | None) -> None:
+    """Give a loaded graph's nodes their saved names: loading traces the saved code again, which names
+    each node after its op (``exp_default`` for ``exp``), while the graph's phases, sources and
+    sequence numbers are keyed by the names it had."""
+    if names is None:
+        return
+    nodes = list(gm.graph.nodes)
+    if len(nodes) != len(names):
+        raise ValueError(f"the reproducer's graph has {len(nodes)} nodes where {len(names)} were saved")
+    renamed = torch.fx.Graph()
+    value_map: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node, name in zip(nodes, names):
+        args, kwargs = torch.fx.map_arg((node.args, node.kwargs), value_map.__getitem__)
+        if node.op == "output":
+            renamed.output(args[0])
+            continue
+        copied = create_node(renamed, node.op, node.target, args, kwargs, name, node.type)
+        if copied.name != name:
+            raise ValueError(f"could not give the loaded node {node.name} its saved name {name}")
+        copied.meta = node.meta
+        value_map[node] = copied
+    gm.graph = renamed
+    gm.recompile()
+
+
 def replay(path: str | pathlib.Path, policy: Policy | None = None) -> PipelineResult:
     """Run a saved reproducer's pipeline on its graph (raises the same :class:`PassError` if it still fails)."""
     graph, pipeline = load_reproducer(path)
-    return PassManager(pipeline, policy).run(graph)
+    return PassManager(pipeline, policy, on_failure="raise").run(graph)

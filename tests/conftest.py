@@ -3,6 +3,8 @@ import logging
 import pytest
 from hypothesis import settings
 
+from memplan.pipeline import pass_failures
+
 pytest_plugins = ["pytester"]
 
 # The plain test run draws the same examples on every machine and every run, so a failure is the
@@ -11,6 +13,15 @@ pytest_plugins = ["pytester"]
 settings.register_profile("repeatable", derandomize=True, database=None)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile("repeatable")
+
+
+@pytest.fixture(autouse=True)
+def passes_fail_loudly():
+    """A pass that fails raises PassError in memplan's own tests, where users get the plan without it
+    and a warning: a broken pass must fail the suite, not hide behind a warning. A test of the rollback
+    asks for it (``PassManager(on_failure="rollback")`` or ``with pass_failures("rollback")``)."""
+    with pass_failures("raise"):
+        yield
 
 
 @pytest.fixture

@@ -409,3 +409,139 @@ def test_holders_name_a_chunked_loop_as_such():
         memplan.optimize(layers, budget="300KiB")(torch.randn(256, 64))
     chunked = [h for h in caught.value.holders if "memplan_chunk" in h]
     assert chunked and all("chunked loop memplan_chunk" in h for h in chunked)
+
+
+# ----------------------------------------------------------------------------------------------
+# rollback: a failing pass is left out of the plan, with a warning, where users run
+
+
+@register_pass("_test_keyerror")
+def keyerror(graph, ctx):
+    """A wrong pass: edits the graph it was given (sin -> sin_), then fails on a lookup of its own."""
+    node = next(n for n in graph.gm.graph.nodes if n.target == torch.ops.aten.sin.default)
+    node.target = torch.ops.aten.sin_.default
+    return {}[node.name]
+
+
+@register_pass("_test_infeasible")
+def infeasible(graph, ctx):
+    from memplan.errors import InfeasibleBudgetError
+
+    raise InfeasibleBudgetError("no plan of this pass fits", smallest=1)
+
+
+@pytest.fixture
+def temporary_dir(tmp_path, monkeypatch):
+    """The temporary directory, where reproducers are saved by default, made the test's own."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path
+
+
+def _rolled_back(caught, name):
+    from memplan.errors import PassRolledBackWarning
+
+    found = [w.message for w in caught if isinstance(w.message, PassRolledBackWarning)]
+    assert len(found) == 1, [str(w.message) for w in caught]
+    assert found[0].pass_name == name
+    return found[0]
+
+
+def test_a_clobbering_pass_is_rolled_back_with_a_warning_and_the_later_passes_run(temporary_dir):
+    from memplan.errors import PassRolledBackWarning
+
+    graph = capture(chain, torch.randn(8), train=False)
+    with pytest.warns(PassRolledBackWarning) as caught:
+        result = PassManager("_test_identity,_test_clobber,_test_measures", on_failure="rollback").run(graph)
+    warning = _rolled_back(caught, "_test_clobber")
+    message = str(warning)
+    assert "rolled back pass '_test_clobber', which broke an invariant: in-place write by sin" in message
+    assert "test_pipeline.py:21 (b = a.sin())" in message and warning.source.startswith("test_pipeline.py:21")
+    assert caught[0].filename == __file__  # the warning points at the caller's line
+    # found by the check on the last graph, then blamed by the check after each pass
+    assert "checked after the last pass" not in message
+    path = temporary_dir / warning.reproducer
+    assert path.parent == temporary_dir and path.name.startswith("memplan-repro-_test_clobber-") and str(path) in message
+    # the plan: without the clobber, with the later pass's change
+    assert result.rolled_back == ("_test_clobber",)
+    assert [(r.name, r.changed, r.rolled_back is not None) for r in result.records] == [
+        ("_test_identity", False, False), ("_test_clobber", False, True), ("_test_measures", True, False)]
+    targets = {n.target for n in result.graph.gm.graph.nodes}
+    assert torch.ops.aten.sin_.default not in targets and torch.ops.aten.mul.Tensor in targets
+    x = torch.randn(8)
+    torch.testing.assert_close(result.graph.gm(x)[0], chain(x))
+    # the reproducer is the graph the pass was given, and replays to the same failure
+    with pytest.raises(PassError, match=r"pass '_test_clobber' broke an invariant: in-place write by sin_? clobbers a value cos"):
+        replay(path)
+
+
+def test_a_pass_that_raises_after_editing_its_graph_is_rolled_back_to_the_graph_before_it(temporary_dir):
+    from memplan.errors import PassRolledBackWarning
+
+    graph = capture(chain, torch.randn(8, requires_grad=True))
+    with pytest.warns(PassRolledBackWarning) as caught:
+        result = PassManager("_test_keyerror,_test_measures", on_failure="rollback").run(graph)
+    warning = _rolled_back(caught, "_test_keyerror")
+    assert "which raised KeyError: 'sin'" in str(warning) and warning.source.startswith("test_pipeline.py:21")
+    assert result.rolled_back == ("_test_keyerror",) and result.records[1].changed
+    assert torch.ops.aten.sin_.default not in {n.target for n in result.graph.gm.graph.nodes}
+    with pytest.raises(PassError, match="_test_keyerror' raised KeyError"):
+        replay(warning.reproducer)
+    # strict, as memplan's own tests run: the same failure raises, naming the pass
+    graph = capture(chain, torch.randn(8, requires_grad=True))
+    with pytest.raises(PassError, match="pass '_test_keyerror' raised KeyError: 'sin'") as info:
+        PassManager("_test_keyerror,_test_measures").run(graph)
+    assert isinstance(info.value.__cause__, KeyError)
+
+
+def test_optimize_rolls_a_failing_pass_back_and_gives_eagers_results(temporary_dir):
+    from memplan.errors import PassRolledBackWarning
+    from memplan.pipeline import pass_failures
+    from memplan.testing import assert_equivalent
+
+    for bad in ("_test_clobber", "_test_keyerror"):
+        with pass_failures("rollback"):
+            opt = memplan.optimize(chain, passes=f"inplace,{bad},schedule")
+            with pytest.warns(PassRolledBackWarning, match=bad) as caught:
+                assert_equivalent(chain, opt, torch.randn(8, requires_grad=True))
+        warning = _rolled_back(caught, bad)
+        assert pathlib_exists(warning.reproducer)
+        assert [r.name for r in opt.plan.records if r.rolled_back] == [bad]
+        assert "rolled back" in str(opt.plan)
+        # strict mode (memplan's own suite) raises for the same pipeline (checked once on the last graph,
+        # the clobber may be blamed on the inplace pass, which then wrote into the value it aliased)
+        with pytest.raises(PassError, match="broke an invariant|raised KeyError"):
+            memplan.optimize(chain, passes=f"inplace,{bad},schedule")(torch.randn(8, requires_grad=True))
+
+
+def pathlib_exists(path):
+    import pathlib
+
+    return (pathlib.Path(path) / "graph.pt").exists() and (pathlib.Path(path) / "pipeline.txt").exists()
+
+
+def test_the_ladder_rolls_a_failing_pass_back_once_and_budget_errors_still_raise(temporary_dir):
+    from memplan.errors import InfeasibleBudgetError, PassRolledBackWarning
+    from memplan.policy import Policy
+
+    graph = capture(chain, torch.randn(64, requires_grad=True))
+    runs = []
+    manager = PassManager("_test_keyerror,remat,schedule", Policy(budget=1), on_failure="rollback",
+                          after_pass=lambda name, g: runs.append(name) if name == "schedule" else None)
+    with pytest.warns(PassRolledBackWarning) as caught:
+        rungs = list(manager.ladder(graph))
+    assert len(runs) >= 2 and all(result.rolled_back == ("_test_keyerror",) for result, _ in rungs)
+    _rolled_back(caught, "_test_keyerror")  # one warning for all the plans the ladder made
+    # no plan fits: the budget's error, not a rollback
+    with pytest.raises(InfeasibleBudgetError), pytest.warns(PassRolledBackWarning):
+        PassManager("_test_keyerror,remat", Policy(budget=1), on_failure="rollback").run(graph)
+    # a pass that itself finds no plan fits is never rolled back
+    with pytest.raises(PassError, match="_test_infeasible") as info:
+        PassManager("_test_infeasible", on_failure="rollback").run(graph)
+    assert isinstance(info.value.__cause__, InfeasibleBudgetError)
+
+
+def test_on_failure_is_checked():
+    with pytest.raises(ValueError, match='on_failure must be "raise" or "rollback"'):
+        PassManager("", on_failure="ignore")
