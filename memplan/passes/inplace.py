@@ -61,7 +61,8 @@ Soundness conditions, each with the counterexample it rules out
 Never raises the peak: the written storage lives on where the node's own output would have lived,
 and both have the same size, so the live bytes never grow at any position. A fused accumulation
 frees the product's storage; ``a`` and ``b`` are read by the fused node instead of the product, so
-they live at most until the accumulation, and only when nothing writes them in between.
+they live at most until the accumulation, and only when nothing writes them in between; it is made
+only where the bytes of theirs it holds longer are at most the product's (see :func:`_extended_bytes`).
 
 Left to other passes
 --------------------
@@ -77,7 +78,7 @@ import bisect
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -513,6 +514,8 @@ def fuse_accumulations(graph: CapturedGraph) -> tuple[CapturedGraph, int]:
     >>> n, [packet_name(x) for x in g.gm.graph.nodes if x.op == "call_function"]
     (2, ['mul', 'addmm_', 't', 't', 't', 't', 'addmm_'])
     """
+    am = AnalysisManager(graph)
+    tensors, liveness = am.get(Tensors), am.get(Liveness)
     editor = GraphEditor(graph)
     nodes = list(graph.gm.graph.nodes)
     order = {node: i for i, node in enumerate(nodes)}
@@ -541,6 +544,8 @@ def fuse_accumulations(graph: CapturedGraph) -> tuple[CapturedGraph, int]:
         a, b = product.args[:2]
         if any(_written_between(writes, x, order.get(x, -1), order[node]) for x in (a, b)):
             continue
+        if _extended_bytes(tensors, liveness, (a, b), node) > tensors.tensors[product.name][0].nbytes:
+            continue
         if transposes % 2:  # (a @ b).T == b.T @ a.T
             flip = ((torch.ops.aten.t.default, ()) if product.target is torch.ops.aten.mm.default
                     else (torch.ops.aten.transpose.int, (1, 2)))
@@ -555,6 +560,28 @@ def fuse_accumulations(graph: CapturedGraph) -> tuple[CapturedGraph, int]:
             editor.erase(dead)
         fused += 1
     return editor.finish(), fused
+
+
+def _extended_bytes(tensors: Tensors, liveness: Liveness, operands: Sequence[Any], at: torch.fx.Node) -> int:
+    """Bytes of the storages of ``operands`` that a read at ``at`` keeps alive longer: those the graph
+    frees before ``at`` (external storages live anyway).
+
+    The fused op reads ``a`` and ``b`` where the accumulation was, not where their product was. Until
+    then the product's storage is gone, and theirs may be held in its place: the peak cannot rise
+    where the bytes held longer are at most the product's. Counterexample: ``mm(a, b)`` early in the
+    backward, with ``a`` a (142, 142) gradient dead after it, accumulated much later into a (142, 32)
+    gradient: fused, ``a`` lived across the later products and the peak rose 14%.
+    """
+    position = liveness.position[at.name]
+    held = 0
+    for operand in operands:
+        if not isinstance(operand, torch.fx.Node) or operand.name not in tensors.tensors:
+            continue
+        for sid in tensors.storages_of(operand.name):
+            storage = tensors.storages[sid]
+            if not storage.external and liveness.intervals[sid].end < position:
+                held += storage.nbytes
+    return held
 
 
 def _written_between(writes: Mapping[StorageWeakRef, list[int]], node: Any, start: int, end: int) -> bool:

@@ -646,11 +646,11 @@ def _gather_grads(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, index: t
             offsets = offset.to(cols_dtype) if offsets is None else offsets + offset.to(cols_dtype)
     selected = index.to(cols_dtype) * pattern.step if pattern.step != 1 else index
     cols = selected.to(cols_dtype) if offsets is None else offsets + selected
-    # (copied into a contiguous tensor: a reshape of a one-dimensional broadcast is a view with stride
-    # 0. ``contiguous()`` would not do: it is traced over the fake values' layouts, where it may be a
+    # (contiguous: a reshape of a one-dimensional broadcast is a view with stride 0; the gradient's
+    # values are copied: ``contiguous()`` is traced over the fake gradient's layout, where it may be a
     # no-op, and the gradient that reaches the plan can be a broadcast that the trace's was not, the
-    # one of ``out.sum()``)
-    cols = cols.expand(grad.shape).permute(order).reshape(-1).clone(memory_format=torch.contiguous_format)
+    # one of ``out.sum()``; the columns are made from the saved indices, laid out as in the trace)
+    cols = cols.expand(grad.shape).permute(order).reshape(-1).contiguous()
     values = grad.permute(order).reshape(-1).clone(memory_format=torch.contiguous_format)
     a_rows = a.reshape(batch * rows_n, k)
     b_rows = b.transpose(1, 2).reshape(batch * cols_n, k)
