@@ -113,6 +113,7 @@ import torch.utils._pytree as pytree
 from memplan._capture.tracer import quiet_meta_failures
 from memplan.analysis.liveness import Liveness
 from memplan.analysis.manager import AnalysisManager
+from memplan.analysis.memory_model import MemoryModel
 from memplan.analysis.peak import PeakSimulation, live_steps
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph, Phase
@@ -743,11 +744,9 @@ def _finish_region(graph, label, n_units, region, flood: _Flood, border, back: _
     )
 
 
-def _recompute_closure(region, region_set, materialised, body) -> list[torch.fx.Node]:
-    """Forward values of the region the backward body reads, with their ancestors in the region, up to
-    values the forward loop materialises."""
-    # A value recomputed is recomputed with the region's in-place writes into it or into a view of it
-    # (``idx[:, 1::2] = labels`` fills a recomputed zero tensor): they are not its ancestors.
+def _writers(region: Sequence[torch.fx.Node]) -> dict[torch.fx.Node, list[torch.fx.Node]]:
+    """The ops of ``region`` that write in place into each value (or into a view of it, or into the
+    value it is a view of)."""
     writers: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for node in region:
         for target in mutated_args(node):
@@ -756,16 +755,35 @@ def _recompute_closure(region, region_set, materialised, body) -> list[torch.fx.
                 chain.append(chain[-1].args[0])
             for member in chain:
                 writers.setdefault(member, []).append(node)
-    needed: set[torch.fx.Node] = set()
-    stack = [a for n in body for a in n.all_input_nodes if a in region_set and a not in materialised]
-    while stack:
-        node = stack.pop()
-        if node in needed:
-            continue
-        needed.add(node)
-        stack.extend(a for a in node.all_input_nodes if a in region_set and a not in materialised)
-        stack.extend(w for w in writers.get(node, ()) if w not in materialised)
-    return [n for n in region if n in needed]
+    return writers
+
+
+def _recompute_closure(region, region_set, materialised, body) -> list[torch.fx.Node]:
+    """Forward values of the region the backward body reads, with their ancestors in the region, up to
+    values the forward loop materialises.
+
+    A value recomputed is recomputed with the region's in-place writes into it or into a view of it
+    (``idx[:, 1::2] = labels`` fills a recomputed zero tensor): they are not its ancestors. A value the
+    loop materialises holds what those writes left in it, so a recomputed write must not start from it:
+    it is recomputed too. Counterexample: ``rms_norm``'s ``mean(x ** 2).add_(eps).rsqrt()`` with the
+    mean saved, and ``add_`` recomputed from it, added ``eps`` twice (gradients 1000x eager's error).
+    """
+    writers = _writers(region)
+    materialised = set(materialised)
+    while True:
+        needed: set[torch.fx.Node] = set()
+        stack = [a for n in body for a in n.all_input_nodes if a in region_set and a not in materialised]
+        while stack:
+            node = stack.pop()
+            if node in needed:
+                continue
+            needed.add(node)
+            stack.extend(a for a in node.all_input_nodes if a in region_set and a not in materialised)
+            stack.extend(w for w in writers.get(node, ()) if w not in materialised)
+        written = {m for m in materialised if any(w in needed for w in writers.get(m, ()))}
+        if not written:
+            return [n for n in region if n in needed]
+        materialised -= written
 
 
 _MAKES_VALUES = _RELABEL_FACTORIES | {"zeros_like", "ones_like", "empty_like", "full_like", "new_empty_strided",
@@ -804,9 +822,11 @@ def _with_saved(graph: CapturedGraph, region: ChunkRegion, fraction: float) -> C
             and reads >= _REDUCTION_RATIO * nbytes(op)
         )
 
+    written = _writers(forward)  # a value written in place after it is made holds the written value
     recompute = [node_of(n) for n in region.recompute]
     readers = set(recompute) | set(body)
-    saved = {a for n in readers for a in n.all_input_nodes if a in region_set and a not in outputs and small(a)}
+    saved = {a for n in readers for a in n.all_input_nodes
+             if a in region_set and a not in outputs and a not in written and small(a)}
     while saved:
         recompute = _recompute_closure(forward, region_set, outputs | saved, body)
         readers = set(recompute) | set(body)
@@ -1648,7 +1668,8 @@ def _evaluate(graph: CapturedGraph, region: ChunkRegion, sizes: list[int], base_
     beyond ``max_overhead``, or the peak fits the budget).
 
     Sizes differ only in the loops' bodies and scratch, so the graph's analyses are computed once and
-    each size re-runs the peak walk with the loops' scratch sizes (see :func:`_walk_peak`).
+    each size asks the graph's memory model for its peak with the loops' scratch at that size
+    (:meth:`~memplan.analysis.memory_model.MemoryModel.with_sizes`).
     ``finals`` receives, per candidate plan, a function that finishes the graph built here for it
     (the chosen candidate is not built twice).
     """
@@ -1659,7 +1680,7 @@ def _evaluate(graph: CapturedGraph, region: ChunkRegion, sizes: list[int], base_
         # a body that does not trace at this size (the rules missed a constraint): not a candidate
         return []
     am = AnalysisManager(applied.graph)
-    tensors, liveness = am.get(Tensors), am.get(Liveness)
+    tensors, memory = am.get(Tensors), am.get(MemoryModel)
     built = applied.loops_for(sizes[0])
     scratch_ids = [tensors.storages_of(call.name)[-1] for call, _ in built]
     fixed_cost = module_cost(applied.graph.gm, options.rates) - sum(loop.cost(options.rates) for _, loop in built)
@@ -1673,7 +1694,7 @@ def _evaluate(graph: CapturedGraph, region: ChunkRegion, sizes: list[int], base_
         chunks = -(-region.units // size)
         last = region.units - (chunks - 1) * size
         scratch = [max(model.peak(size), model.peak(last)) for model in models]
-        peak = _walk_peak(tensors, liveness, dict(zip(scratch_ids, scratch)))
+        peak = memory.with_sizes(dict(zip(scratch_ids, scratch))).peak
         cost = fixed_cost + sum(
             (chunks - 1) * model.cost(size, options.rates) + model.cost(last, options.rates) + chunks * options.rates.chunk_seconds
             for model in models
@@ -1690,7 +1711,7 @@ def _evaluate(graph: CapturedGraph, region: ChunkRegion, sizes: list[int], base_
             stopped = True
             break
     within = policy.budget is not None or (candidates and candidates[-1].overhead < policy.max_overhead)
-    if options.nest and candidates and not stopped and within:
+    if options.nest and candidates and not stopped and within and not _compares_recomputed(graph, region):
         finest = candidates[-1]  # nesting only adds overhead: not when the finest is already over
         try:
             swap = applied.loops_for(finest.plan.chunk)
@@ -1707,6 +1728,20 @@ def _evaluate(graph: CapturedGraph, region: ChunkRegion, sizes: list[int], base_
             candidates.append(Candidate(nested, peak, overhead, f"{region.label}: {nested.chunks} chunks, nested"))
             finals[nested] = lambda new=new: _finished(new)
     return candidates
+
+
+_COMPARISONS = {"eq", "ne", "lt", "le", "gt", "ge"}
+
+
+def _compares_recomputed(graph: CapturedGraph, region: ChunkRegion) -> bool:
+    """Whether the region's backward compares values (``amax``'s backward finds the maxima by ``x ==
+    amax``): the values it recomputes must then have the forward's very bits. A loop body recomputes
+    its chunk as the forward loop computed it, op for op on slices of one shape; nested loops chunk
+    the forward and the backward bodies independently, along other indices, and a matmul on other
+    shapes rounds otherwise. Counterexample: ``bmm(a, b).amax(-1)`` nested along the columns in the
+    forward and the rows in the backward: no element equalled its recomputed maximum, and the gradient
+    was ``0 / 0``."""
+    return any(packet_name(graph.node(name)) in _COMPARISONS for name, _ in region.backward)
 
 
 def _hopeless(policy: Policy) -> float:
@@ -1730,27 +1765,6 @@ def _finish_at(applied: _Applied, size: int) -> CapturedGraph:
 def _finished(graph: CapturedGraph) -> CapturedGraph:
     finish_module(graph.gm)
     return graph
-
-
-def _walk_peak(tensors: Tensors, liveness: Liveness, sizes: Mapping[int, int]) -> int:
-    """The peak of :class:`~memplan.analysis.peak.PeakSimulation`'s walk (allocate at birth, free after
-    the last reader, external storages never counted) with some storages' sizes replaced."""
-    born: dict[int, int] = {}
-    dies: dict[int, int] = {}
-    for sid, storage in tensors.storages.items():
-        if storage.external:
-            continue
-        nbytes = sizes.get(sid, storage.nbytes)
-        interval = liveness.intervals[sid]
-        born[interval.start] = born.get(interval.start, 0) + nbytes
-        if interval.end < liveness.end:
-            dies[interval.end] = dies.get(interval.end, 0) + nbytes
-    live = peak = 0
-    for index in range(len(liveness.order)):
-        live += born.get(index, 0)
-        peak = max(peak, live)
-        live -= dies.get(index, 0)
-    return peak
 
 
 def _units_in(body: torch.fx.GraphModule, region: ChunkRegion) -> int | None:

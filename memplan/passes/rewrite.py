@@ -1156,7 +1156,15 @@ def _replace_region(graph: CapturedGraph, region_names: Sequence[str], input_nam
 
 def _runs_on(reader: torch.fx.Node, old: torch.fx.Node, value: torch.Tensor, mode, depth: int = 8) -> bool:
     """Whether ``reader`` runs with ``value`` in place of ``old``'s, and so do the views of its result,
-    down the chain (only a view can fail on a layout: ``squeeze`` of a gradient, then ``view`` of that)."""
+    down the chain (only a view can fail on a layout: ``squeeze`` of a gradient, then ``view`` of that).
+
+    The graph's output takes the old layout only: a gradient leaves the plan for its leaf's ``.grad``,
+    and autograd copies one laid out unlike the leaf into the leaf's layout, a copy the plan does not
+    see (capture plans that copy where the trace's gradient needs it, on the old layout). Counterexample:
+    ``(x @ w).min(0)`` gave ``w``'s gradient transposed, and autograd's copy of it was 5% above the
+    predicted peak."""
+    if reader.op == "output":
+        return same_layouts(old.meta.get("val"), value)
     if reader.op != "call_function" or not is_view_op(reader.target):
         return True
 

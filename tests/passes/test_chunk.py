@@ -1174,3 +1174,48 @@ def test_views_of_a_value_a_loop_carries_are_views_of_the_combined_value(case):
         step()
         gaps.append(measure(step).peak - planned.plan.planned_peak)
     assert gaps[0] <= max(gaps[1], 0)
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(128))
+
+    def forward(self, x):
+        return F.rms_norm(x, (128,), self.w, eps=1e-6)
+
+
+def test_a_value_written_in_place_is_not_saved_for_a_recomputation_that_writes_it_again():
+    # rms_norm is mean(x ** 2).add_(eps).rsqrt(): the save-small variant kept the mean, which add_ had
+    # already written, and the backward recomputed add_ from it: eps twice, gradients 1000x eager's error.
+    torch.manual_seed(0)
+    model, x = _RMSNorm(), (torch.randn(3, 66, 128) * 0.09).requires_grad_()
+    opt = memplan.optimize(model, passes="chunk", **FORCE)
+    assert_equivalent(model, opt, x)
+    assert any(isinstance(m, ChunkLoop) for m in opt.plan.graph.gm.modules())
+    graph = capture(model, x, seed="tangents")
+    for region in plan_chunk(graph, Policy(**FORCE)).regions:
+        assert "add_" not in region.saved and "mean" not in region.saved
+
+
+class _BmmAmaxAndGather(nn.Module):
+    def forward(self, a, b, table, rows):
+        return table[rows].relu(), torch.bmm(a, b).amax(-1)
+
+
+def test_a_backward_that_compares_recomputed_values_is_not_nested():
+    # amax's backward finds the maxima by x == amax. Nested loops chunked the forward body along the
+    # columns and the backward body along the rows: the recomputed products rounded otherwise, no
+    # element equalled its maximum, and the gradient was 0 / 0 (NaN in 120 places).
+    g = torch.Generator()
+    inputs = (
+        torch.randn(2, 59, 24, generator=g.manual_seed(514864267)).mul(0.2041).requires_grad_(),
+        torch.randn(2, 24, 354, generator=g.manual_seed(26952737)).mul(0.05315).requires_grad_(),
+        torch.randn(59, 64, generator=g.manual_seed(1901720973)).requires_grad_(),
+        torch.randint(0, 59, (118,), generator=g.manual_seed(61847020)),
+    )
+    model = _BmmAmaxAndGather()
+    opt = memplan.optimize(model, passes="chunk", budget=211578)
+    assert_equivalent(model, opt, *inputs)
+    (region,) = opt.plan.records[0].plan.regions
+    assert not region.inner
