@@ -165,7 +165,7 @@ from memplan.passes._chunk.rules import (
     nbytes,
     shape_of,
 )
-from memplan.pipeline import PassContext, PassResult, PassStats, pass_options, register_pass
+from memplan.pipeline import PassContext, PassResult, PassStats, mutation_hazards, pass_options, register_pass
 from memplan.policy import Candidate, Policy
 
 __all__ = [
@@ -1662,7 +1662,8 @@ def _placeable(graph: CapturedGraph, region: ChunkRegion) -> bool:
 
 
 def _evaluate(graph: CapturedGraph, region: ChunkRegion, sizes: list[int], base_cost: float,
-              options: ChunkOptions, policy, finals: dict | None = None) -> list[Candidate]:
+              options: ChunkOptions, policy, finals: dict | None = None,
+              hazards: frozenset[tuple[str, str]] = frozenset()) -> list[Candidate]:
     """Build the variant once, then simulate the peak and estimate the extra compute for each chunk
     size, from few chunks to many; stop once the policy cannot want more chunks (the overhead is far
     beyond ``max_overhead``, or the peak fits the budget).
@@ -1672,6 +1673,11 @@ def _evaluate(graph: CapturedGraph, region: ChunkRegion, sizes: list[int], base_
     (:meth:`~memplan.analysis.memory_model.MemoryModel.with_sizes`).
     ``finals`` receives, per candidate plan, a function that finishes the graph built here for it
     (the chosen candidate is not built twice).
+    A variant whose loops read a storage on the other side of an in-place write than its ops did (a
+    hazard of :func:`~memplan.pipeline.mutation_hazards` that ``hazards``, the graph's own, lacks) is
+    no candidate: a loop runs all of its ops at one place in the graph, and a write outside the region
+    that fell between two of them cannot. Counterexample: autograd's ``copy_`` into a slice of a dense
+    gradient, between the region's reads of that gradient.
     """
     finals = {} if finals is None else finals
     try:
@@ -1680,6 +1686,8 @@ def _evaluate(graph: CapturedGraph, region: ChunkRegion, sizes: list[int], base_
         # a body that does not trace at this size (the rules missed a constraint): not a candidate
         return []
     am = AnalysisManager(applied.graph)
+    if mutation_hazards(applied.graph, am) - hazards:
+        return []
     tensors, memory = am.get(Tensors), am.get(MemoryModel)
     built = applied.loops_for(sizes[0])
     scratch_ids = [tensors.storages_of(call.name)[-1] for call, _ in built]
@@ -1723,7 +1731,10 @@ def _evaluate(graph: CapturedGraph, region: ChunkRegion, sizes: list[int], base_
                 new = _apply_region(graph, nested, compile=False).graph
             except (RuntimeError, ValueError, TypeError, IndexError):
                 return candidates
-            peak = AnalysisManager(new).get(PeakSimulation).peak
+            nested_am = AnalysisManager(new)
+            if mutation_hazards(new, nested_am) - hazards:
+                return candidates
+            peak = nested_am.get(PeakSimulation).peak
             overhead = max(0.0, graph_cost(new, options.rates) / base_cost - 1.0) if base_cost > 0 else 0.0
             candidates.append(Candidate(nested, peak, overhead, f"{region.label}: {nested.chunks} chunks, nested"))
             finals[nested] = lambda new=new: _finished(new)
@@ -1854,6 +1865,7 @@ def _plan(
         worth = base_peak if over_budget else (1.0 - opts.min_gain) * base_peak
         tensors, liveness = am.get(Tensors), am.get(Liveness)
         steps = live_steps(tensors, liveness)
+        hazards = None  # the graph's own in-place hazards, found once a variant is built
         # Steps 1-4 find the regions; step 5 prices the candidates of those that can pay (a peak
         # below the policy's threshold, an overhead not hopeless), building each variant once.
         for region in _regions(current, opts, tensors):
@@ -1872,8 +1884,10 @@ def _plan(
                 if not _placeable(current, variant):
                     continue
                 # a variant whose body does not trace is dropped: torch's log of the failing op is noise
+                if hazards is None:
+                    hazards = mutation_hazards(current, am)
                 with quiet_meta_failures():
-                    candidates.extend(_evaluate(current, variant, sizes, base_cost, opts, policy, finals))
+                    candidates.extend(_evaluate(current, variant, sizes, base_cost, opts, policy, finals, hazards))
         try:
             best = policy.choose(candidates)
         except InfeasibleBudgetError:

@@ -1219,3 +1219,25 @@ def test_a_backward_that_compares_recomputed_values_is_not_nested():
     assert_equivalent(model, opt, *inputs)
     (region,) = opt.plan.records[0].plan.regions
     assert not region.inner
+
+
+class _SliceAddedInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 64))
+
+    def forward(self, x):
+        h = x[:, ::2, None].expand(-1, -1, 3) @ self.w
+        y = h.clone()
+        y[..., 32:] += h[..., :32].sin()
+        return y.sum(-1)
+
+
+def test_a_loop_never_moves_a_read_across_an_in_place_write_outside_it():
+    # autograd's backward of y[..., 32:] += ... copies into a slice of the dense gradient between two
+    # reads of it; a backward loop holding both reads ran them on one side of the write (the pipeline's
+    # check: "in-place write by copy__1 clobbers a value chunk1_backward still reads afterwards").
+    torch.manual_seed(0)
+    model, x = _SliceAddedInPlace(), torch.randn(65, 96, requires_grad=True)
+    opt = memplan.optimize(model, passes="chunk", **FORCE)
+    assert_equivalent(model, opt, x)
