@@ -2,7 +2,8 @@ import pytest
 import torch
 from torch import nn
 
-from memplan.testing import assert_equivalent, is_well_conditioned, random_model
+import memplan
+from memplan.testing import assert_equivalent, is_well_conditioned, random_model, zoo
 
 
 class Fn(nn.Module):
@@ -102,3 +103,169 @@ class _Counter(nn.Module):
 def test_buffers_that_end_apart_are_a_difference():
     with pytest.raises(AssertionError, match="buffer count differs"):
         assert_equivalent(_Counter(1.0), _Counter(2.0), torch.randn(3))
+
+
+# ----------------------------------------------------------------------------------------------
+# tolerances: derived from the scale of the values and the length of the sums (see docs/testing.md)
+
+EPS = torch.finfo(torch.float32).eps
+
+
+def _identity(v):
+    return v * 1.0
+
+
+def _shifted(delta):
+    """A model whose output is its input plus ``delta`` (a tensor or a number)."""
+    return lambda v: v + delta
+
+
+def test_a_difference_at_the_derived_scale_passes_and_one_past_it_fails():
+    torch.manual_seed(0)
+    x = torch.randn(64, 8)
+    bound = 64 * EPS * x.abs().max()  # terms: the largest dimension of the input
+    assert_equivalent(_identity, _shifted(0.9 * bound), x, grad=False)
+    with pytest.raises(AssertionError, match=r"differ by more than .*\nAllowed: .* = 64 terms x eps 1.19e-07"):
+        assert_equivalent(_identity, _shifted(1.1 * bound), x, grad=False)
+    assert_equivalent(_identity, _shifted(3 * bound), x, grad=False, terms=256)  # a longer sum may round further
+
+
+def test_a_sum_in_another_order_passes_and_is_not_bit_for_bit():
+    torch.manual_seed(0)
+    x = torch.randn(4096, 16) * 100
+
+    def in_chunks(v):  # what the chunk pass does to a reduction
+        return sum(part.sum(0) for part in v.split(100))
+
+    assert not torch.equal(in_chunks(x), x.sum(0))
+    assert_equivalent(lambda v: v.sum(0), in_chunks, x)
+    with pytest.raises(AssertionError, match=r"not bit for bit equal.*exact=True"):
+        assert_equivalent(lambda v: v.sum(0), in_chunks, x, exact=True)
+
+
+def test_a_real_error_fails():
+    torch.manual_seed(0)
+    x = torch.randn(256, 32, requires_grad=True)
+    with pytest.raises(AssertionError, match="output 0 differs"):
+        assert_equivalent(_identity, lambda v: v * (1 + 1e-3), x)
+    with pytest.raises(AssertionError, match="gradient of args\\[0\\] differs"):  # the same value, a wrong gradient
+        assert_equivalent(_identity, lambda v: v + (v - v.detach()) * 1e-3, x)
+
+
+def test_near_zero_elements_of_a_large_tensor_are_judged_at_the_tensors_scale():
+    x = torch.tensor([1000.0, 1e-6, -2e-6, 0.0])
+    nudge = torch.tensor([0.0, 1e-5, -1e-5, 1e-5])  # 10x the element, 1e-8 of the tensor's scale
+    assert_equivalent(_identity, _shifted(nudge), x, grad=False)
+    with pytest.raises(AssertionError, match=r"(?s)1 of 4 elements .* index \(0,\) .*scale 1000"):
+        assert_equivalent(_identity, _shifted(torch.tensor([1.0, 0.0, 0.0, 0.0])), x, grad=False)
+
+
+class _BiasBeforeCentring(nn.Module):
+    """The gradient of ``first.bias`` is zero (the centring removes whatever it adds), and computes to
+    the rounding noise of a sum over the batch; ``chunks`` sums it in another order."""
+
+    def __init__(self, chunks=1):
+        super().__init__()
+        self.chunks = chunks
+        self.first, self.second = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = torch.cat([self.first(part) for part in x.chunk(self.chunks)])
+        return self.second(h - h.mean(0, keepdim=True))
+
+
+def test_a_tensor_of_rounding_noise_is_judged_at_its_familys_scale():
+    torch.manual_seed(0)
+    model, x = _BiasBeforeCentring(), torch.randn(256, 32)
+    chunked = _BiasBeforeCentring(chunks=8)
+    chunked.load_state_dict(model.state_dict())
+    upstream = torch.randn(256, 32)
+    bias = [torch.autograd.grad(m(x), m.first.bias, upstream)[0] for m in (model, chunked)]
+    assert bias[0].abs().max() < 1e-3  # noise, where the largest gradient is about 40
+    # Judged at its own scale, another order's noise would be a difference:
+    assert (bias[1] - bias[0]).abs().max() > 256 * EPS * bias[0].abs().max()
+    assert_equivalent(model, chunked, x)  # judged at the floor, the gradients' scale over sqrt(256)
+
+
+def test_nan_positions_must_match():
+    x = torch.tensor([1.0, float("nan"), 3.0])
+    assert_equivalent(_identity, _identity, x, grad=False)
+    assert_equivalent(_identity, _identity, x, grad=False, exact=True)
+    with pytest.raises(AssertionError, match=r"NaN at 2 of 3 places .* index \(1,\)"):
+        assert_equivalent(_identity, lambda v: v.roll(1), x, grad=False)
+    with pytest.raises(AssertionError, match="NaN at 1 of 3 places"):
+        assert_equivalent(_identity, lambda v: v.nan_to_num(2.0), x, grad=False)
+    with pytest.raises(AssertionError, match="output 0 differs"):  # explicit tolerances too
+        assert_equivalent(_identity, lambda v: v.nan_to_num(2.0), x, grad=False, rtol=1.0, atol=1.0)
+    y = torch.tensor([1.0, float("inf"), -3.0])
+    with pytest.raises(AssertionError, match=r"infinities differ at 1 of 3 places"):
+        assert_equivalent(_identity, lambda v: v * torch.tensor([1.0, -1.0, 1.0]), y, grad=False)
+
+
+def test_explicit_tolerances_are_those_of_assert_close_and_exact_takes_none():
+    x = torch.ones(3)
+    assert_equivalent(_identity, _shifted(0.01), x, grad=False, rtol=0.0, atol=0.02)
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+        assert_equivalent(_identity, _shifted(0.01), x, grad=False, rtol=0.0, atol=0.005)
+    with pytest.raises(ValueError, match="exact=True"):
+        assert_equivalent(_identity, _identity, x, exact=True, atol=0.0, rtol=0.0)
+
+
+def test_tensors_that_are_not_floating_point_are_compared_exactly():
+    torch.manual_seed(0)
+    x = torch.randn(8, 4)
+    assert_equivalent(lambda v: v.argmax(1), lambda v: v.argmax(1), x, grad=False)
+    with pytest.raises(AssertionError, match=r"not bit for bit equal.*torch.int64 values"):
+        assert_equivalent(lambda v: v.argmax(1), lambda v: v.argmin(1), x, grad=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# bit-exact passes: a plan made of them alone gives the same bits
+
+
+EXACT_PASSES = ("inplace", "remat", "timesteps", "concat", "schedule", "arena")
+
+
+def _exact_cases():
+    for z in zoo():
+        yield z.name, z.model, z.inputs
+    for seed in range(4):
+        model, inputs = random_model(seed, requires_grad_input=True)
+        yield f"random_{seed}", model, inputs
+
+
+@pytest.mark.parametrize("passes", [*EXACT_PASSES, ",".join(EXACT_PASSES)])
+def test_bit_exact_passes_give_the_same_bits(passes):
+    changed = 0
+    for _name, model, inputs in _exact_cases():
+        opt = memplan.optimize(model, passes=passes, max_overhead=10.0)
+        assert_equivalent(model, opt, *inputs, exact=True)
+        changed += any(record.changed for record in opt.plan.records) or passes == "arena"  # arena annotates
+        assert_equivalent(model, opt, *inputs, grad=False, exact=True)
+    assert changed >= 1  # the pass did something on these models: the check is not empty
+
+
+class _SharedWeightLoop(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(width, width) / width**0.5)
+
+    def forward(self, h):
+        for _ in range(3):
+            h = torch.tanh(h @ self.w)
+        return h
+
+
+def test_inplace_is_exact_but_for_its_fused_accumulations():
+    # The weight's gradient is one product per step, summed; inplace fuses the sums into addmm_ (here
+    # the product, 1 MiB, is larger than the operands it keeps), whose BLAS adds the product's partial
+    # sums into the accumulator as it goes: over a long inner dimension (the batch, 256) the sum rounds
+    # in another order.
+    torch.manual_seed(0)
+    model, x = _SharedWeightLoop(512), torch.randn(256, 512)
+    opt = memplan.optimize(model, passes="inplace")
+    assert_equivalent(model, opt, x)
+    assert "addmm_" in opt.plan.code
+    with pytest.raises(AssertionError, match="gradient of w differs: .* not bit for bit equal"):
+        assert_equivalent(model, opt, x, exact=True)
+    assert_equivalent(model, opt, x, grad=False, exact=True)  # the forward has no accumulation
