@@ -1,5 +1,9 @@
 """Simulated memory timeline: the peak a graph reaches when run eagerly in its current order.
 
+The numbers are the base timeline of :class:`~memplan.analysis.memory_model.MemoryModel` (the one
+memory model, which also prices what-ifs for the passes); this analysis adds the per-node events and
+the storages alive at the peak, for reports.
+
 Stages
 ------
 (1) Walk nodes in ``Liveness.order``. At a node, every storage it creates is allocated (bytes of the
@@ -23,6 +27,7 @@ import torch
 
 from memplan.analysis.liveness import Liveness
 from memplan.analysis.manager import Analysis, AnalysisManager
+from memplan.analysis.memory_model import MemoryModel
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph
 
@@ -62,8 +67,9 @@ def live_steps(tensors: Tensors, liveness: Liveness) -> tuple[dict[int, int], di
 class PeakSimulation(Analysis):
     """The simulated timeline and its peak.
 
-    ``peak``, ``peak_index`` and ``after`` come from running sums over the positions (the pipeline asks
-    for them after every pass); the per-node ``timeline`` and ``live_at_peak`` are built when first read.
+    ``peak``, ``peak_index``, ``after``, ``born`` and ``dies`` are the base timeline of the graph's
+    :class:`~memplan.analysis.memory_model.MemoryModel` (the pipeline asks for them after every pass);
+    the per-node ``timeline`` and ``live_at_peak`` are built when first read.
     """
 
     name = "peak"
@@ -78,22 +84,9 @@ class PeakSimulation(Analysis):
 
     @classmethod
     def compute(cls, graph: CapturedGraph, am: AnalysisManager) -> "PeakSimulation":
-        tensors = am.get(Tensors)
-        liveness = am.get(Liveness)
-        end = liveness.end
-        born_at, dies_at = live_steps(tensors, liveness)
-        born, dies = _array(born_at, end), _array(dies_at, end)
-        # Live bytes right after each node allocates: all born so far, less all freed before it.
-        live = np.cumsum(born)
-        live[1:] -= np.cumsum(dies)[:-1]
-        peak, peak_index = 0, -1
-        if end:
-            top = int(np.argmax(live))
-            if live[top] > 0:
-                peak, peak_index = int(live[top]), top
-        after = int(born.sum() - dies.sum())
-        return cls(peak=peak, peak_index=peak_index, after=after, graph=graph, tensors=tensors,
-                   liveness=liveness, born=born, dies=dies)
+        model = am.get(MemoryModel)
+        return cls(peak=model.peak, peak_index=model.peak_index, after=model.after, graph=graph,
+                   tensors=model.tensors, liveness=model.liveness, born=model.born, dies=model.dies)
 
     @functools.cached_property
     def timeline(self) -> tuple[SimEvent, ...]:
@@ -124,13 +117,6 @@ class PeakSimulation(Analysis):
              if not storage.external and intervals[sid].start <= at <= intervals[sid].end),
             key=lambda s: (-storages[s].nbytes, s),
         ))
-
-
-def _array(at: dict[int, int], length: int) -> np.ndarray:
-    """``at`` (position -> bytes) as an array of ``length`` positions."""
-    out = np.zeros(length, dtype=np.int64)
-    out[np.fromiter(at.keys(), np.int64, len(at))] = np.fromiter(at.values(), np.int64, len(at))
-    return out
 
 
 def step_margin(graph: CapturedGraph) -> int:

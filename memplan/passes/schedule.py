@@ -5,9 +5,10 @@ What it does
 The order a model's Python code happens to compute things in is one valid order among many. When a
 graph branches, computing one branch to the end (and freeing its temporaries) before starting the
 next one can keep far fewer bytes live than interleaving them. The pass tries several orders that
-respect every dependency, simulates the peak of each with the same model as
-:class:`~memplan.analysis.peak.PeakSimulation` (graph lifetimes), and keeps the lowest; the input order
-is one of the candidates, so the peak never rises.
+respect every dependency, prices each with the memory model
+(:meth:`~memplan.analysis.memory_model.MemoryModel.with_order`, the peak
+:class:`~memplan.analysis.peak.PeakSimulation` would report for the reordered graph, graph lifetimes),
+and keeps the lowest; the input order is one of the candidates, so the peak never rises.
 
 Stages
 ------
@@ -68,6 +69,7 @@ import torch.fx
 
 from memplan.analysis.liveness import Liveness
 from memplan.analysis.manager import AnalysisManager
+from memplan.analysis.memory_model import MemoryModel, Timeline
 from memplan.analysis.peak import PeakSimulation
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph, Phase
@@ -120,16 +122,19 @@ class ScheduleProblem:
     """Nodes, dependency edges and storages of a graph, indexed by original position.
 
     ``simulate(order)`` gives the peak :class:`~memplan.analysis.peak.PeakSimulation` would report for
-    the graph in that order, without rebuilding it.
+    the graph in that order, without rebuilding it: the graph's
+    :class:`~memplan.analysis.memory_model.MemoryModel` prices the order (its touchers are also the
+    storages' readers here).
 
     Every candidate order is built, checked and simulated on this one object, so what they share is
-    computed here once: the edges, the storages, and their numpy copies for :meth:`simulate` and
+    computed here once: the edges, the storages, and the numpy copies of the edges for
     :meth:`is_valid` (an unrolled loop has a hundred thousand nodes and more, and a Python loop over
     every edge and storage per candidate cost more than building the candidate).
     """
 
     def __init__(self, graph: CapturedGraph, am: AnalysisManager):
         tensors, liveness = am.get(Tensors), am.get(Liveness)
+        self.model = model = am.get(MemoryModel)
         self.names: tuple[str, ...] = liveness.order
         index = liveness.position  # name -> original position
         self.index = index
@@ -148,24 +153,19 @@ class ScheduleProblem:
             {position_of[arg] for arg in node.all_input_nodes if arg in position_of} for node in nodes
         ]
 
-        # Storages: size, creator, every node touching one of its aliases, pinned to the end or not.
+        # Storages: size, creator, every node touching one of its aliases (the memory model's touchers,
+        # where position n is the output), pinned to the end or not.
         self.sizes: list[int] = []
         self.creator: list[int] = []
         self.to_end: list[bool] = []
-        touchers: list[set[int]] = []
-        readers_of_sid: dict[int, set[int]] = {}
+        touchers: list[list[int]] = []
+        readers_of_sid: dict[int, tuple[int, ...]] = {}
+        touched = model.touchers
         for sid, storage in tensors.storages.items():
-            readers: set[int] = set()
+            readers = touched.get(sid, ())
             to_end = storage.external
-            for member in storage.members:
-                if member in index:
-                    readers.add(index[member])
-                for user in by_name[member].users:
-                    j = position_of.get(user)  # every node but placeholders, attributes and the output
-                    if j is not None:
-                        readers.add(j)
-                    elif user.op == "output":
-                        to_end = True
+            if readers and readers[-1] == n:  # an output aliases it
+                readers, to_end = readers[:-1], True
             readers_of_sid[sid] = readers
             if storage.external:
                 continue
@@ -173,7 +173,9 @@ class ScheduleProblem:
             self.sizes.append(storage.nbytes)
             self.creator.append(creator)
             self.to_end.append(to_end)
-            touchers.append(readers - {creator})
+            # the creator is the first toucher (every other member, and every reader, comes after it)
+            first = readers[:1] == (creator,)
+            touchers.append(list(readers[1:]) if first else [j for j in readers if j != creator])
 
         # The gradients of the outputs as a loss outside the model sends them: dense, alive from the start
         # of the backward to their last reader (see simulate_dense). Planned with the seed a .sum() sends
@@ -182,7 +184,7 @@ class ScheduleProblem:
         for spec in graph.inputs:
             value = by_name[spec.node].meta.get("val") if spec.kind == "tangent" else None
             if isinstance(value, torch.Tensor):
-                readers = set().union(*(readers_of_sid.get(sid, set()) for sid in tensors.storages_of(spec.node)))
+                readers = set().union(*(readers_of_sid.get(sid, ()) for sid in tensors.storages_of(spec.node)))
                 if readers:
                     self.tangents.append((value.numel() * value.element_size(), sorted(readers)))
 
@@ -201,7 +203,7 @@ class ScheduleProblem:
                 for sid in tensors.storages_of(target.name):
                     writers_of_sid.setdefault(sid, set()).add(i)
         for sid, writers in writers_of_sid.items():
-            _order_writers(sorted(readers_of_sid.get(sid, set()) | writers), writers, preds)
+            _order_writers(sorted(writers.union(readers_of_sid.get(sid, ()))), writers, preds)
         # Step 1c: side effects keep their relative order.
         for a, b in zip(ordered, ordered[1:]):
             preds[b].add(a)
@@ -219,7 +221,7 @@ class ScheduleProblem:
         for s, c in enumerate(self.creator):
             self.born[c].append(s)
             self.alloc[c] += self.sizes[s]
-        self.touchers: list[list[int]] = [sorted(ts) for ts in touchers]
+        self.touchers: list[list[int]] = touchers  # each ascending
         self.n_touchers = [len(ts) for ts in touchers]
         self.touches: list[list[int]] = [[] for _ in range(n)]
         for s, ts in enumerate(self.touchers):
@@ -230,43 +232,27 @@ class ScheduleProblem:
     # -- simulation -----------------------------------------------------------------------------
 
     def simulate(self, order: Sequence[int]) -> int:
-        """Peak bytes of the graph run in ``order`` (a permutation of ``range(n)``).
+        """Peak bytes of the graph run in ``order`` (a permutation of ``range(n)``): the memory model's
+        :meth:`~memplan.analysis.memory_model.MemoryModel.with_order`."""
+        return self.model.with_order(order).peak
 
-        Each storage not pinned to the end dies at the latest position of its creator and touchers;
-        the peak is the highest ``live`` reached right after a node allocates, before what dies there
-        is freed. Vectorised over the storages (``np.maximum.at``) and the positions (``cumsum``);
-        the byte counts are exact as int64 (they would have to exceed 8 EiB to overflow).
-        """
-        if self.n == 0:
-            return 0
-        return max(0, int(self._live(order)[0].max()))
-
-    def simulate_dense(self, order: Sequence[int]) -> int:
+    def simulate_dense(self, order: Sequence[int], timeline: Timeline | None = None) -> int:
         """:meth:`simulate` with the outputs' gradients dense, as a loss outside the model sends them
-        (a cross-entropy over the logits): each alive from the first backward node to its last reader."""
+        (a cross-entropy over the logits): each alive from the first backward node to its last reader.
+        ``timeline``: the model's timeline of ``order`` when the caller has it."""
         if self.n == 0:
             return 0
-        live, position = self._live(order)
+        if timeline is None:
+            timeline = self.model.with_order(order)
+        live = timeline.live
         if self.tangents:
+            position = _positions(order)[1]
             extra = np.zeros(self.n + 1, dtype=np.int64)
             for nbytes, readers in self.tangents:
                 extra[self.n_forward] += nbytes
                 extra[int(position[readers].max()) + 1] -= nbytes
             live = live + np.cumsum(extra[:-1])
         return max(0, int(live.max()))
-
-    def _live(self, order: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Bytes live right after each position allocates, and each node's position."""
-        shared = self._shared
-        order, position = _positions(order)
-        dies = position[shared.creator]
-        np.maximum.at(dies, shared.toucher_storage, position[shared.toucher])
-        freed_at = np.zeros(self.n, dtype=np.int64)
-        np.add.at(freed_at, dies, shared.sizes)
-        # live after the node at p allocates = everything allocated up to p - everything freed before p
-        live = np.cumsum(shared.alloc[order])
-        live[1:] -= np.cumsum(freed_at[:-1])
-        return live, position
 
     def is_valid(self, order: Sequence[int]) -> bool:
         """True when ``order`` respects every dependency and the phase boundary."""
@@ -370,29 +356,16 @@ def _positions(order: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
 class _Shared:
     """What the candidates share, derived once from a :class:`ScheduleProblem`.
 
-    For :meth:`~ScheduleProblem.simulate`: the storages not pinned to the end (creator, size) and a
-    ``(storage, toucher)`` pair per toucher, as numpy arrays. For :meth:`~ScheduleProblem.is_valid`:
-    the edges and the phase flags. For :meth:`~ScheduleProblem.greedy`: ``touches[i]``, the storages
-    ``i`` touches that free bytes when they die (``frees[s]`` > 0), the sum of each storage's
-    touchers, and what each node frees before anything runs.
+    For :meth:`~ScheduleProblem.is_valid`: the edges and the phase flags, as numpy arrays. For
+    :meth:`~ScheduleProblem.greedy`: ``touches[i]``, the storages ``i`` touches that free bytes when
+    they die (``frees[s]`` > 0), the sum of each storage's touchers, and what each node frees before
+    anything runs.
     """
 
     def __init__(self, problem: ScheduleProblem):
         n = problem.n
         frees = [0 if pinned else size for size, pinned in zip(problem.sizes, problem.to_end)]
         self.frees = frees
-        dying = [s for s, pinned in enumerate(problem.to_end) if not pinned]
-        self.creator = np.array([problem.creator[s] for s in dying], dtype=np.int64)
-        self.sizes = np.array([problem.sizes[s] for s in dying], dtype=np.int64)
-        # storage numbers in the arrays above (only the dying ones), repeated once per toucher
-        self.toucher_storage = np.repeat(
-            np.arange(len(dying), dtype=np.int64), [problem.n_touchers[s] for s in dying]
-        )
-        self.toucher = np.fromiter(
-            itertools.chain.from_iterable(problem.touchers[s] for s in dying), dtype=np.int64,
-            count=len(self.toucher_storage),
-        )
-        self.alloc = np.array(problem.alloc, dtype=np.int64)
         self.edge_to = np.repeat(np.arange(n, dtype=np.int64), [len(ps) for ps in problem.preds])
         self.edge_from = np.fromiter(
             itertools.chain.from_iterable(problem.preds), dtype=np.int64, count=len(self.edge_to)
@@ -595,15 +568,16 @@ def plan_schedule(
         order = STRATEGIES[name](problem)
         if name != "original" and not problem.is_valid(order):
             continue  # a strategy may only ever produce valid orders; never take the risk
-        peak = problem.simulate(order)
+        timeline = problem.model.with_order(order)
+        peak = timeline.peak
         peaks.append((name, peak))
         # Step 3: strictly lower wins; ties keep the earlier candidate (the original first). An order
         # is not taken when it would raise the peak of a step whose loss is outside the model (dense
         # output gradients) above the input order's: the plan is made with a .sum()'s broadcast seed,
         # and must not cost a cross-entropy over the logits more than eager's order does.
         if name == "original":
-            dense_limit = problem.simulate_dense(order)
-        elif best_peak is not None and peak < best_peak and problem.simulate_dense(order) > dense_limit:
+            dense_limit = problem.simulate_dense(order, timeline)
+        elif best_peak is not None and peak < best_peak and problem.simulate_dense(order, timeline) > dense_limit:
             continue
         if best_peak is None or peak < best_peak:
             best_name, best_order, best_peak = name, order, peak
