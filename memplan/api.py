@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import sys
 import threading
 import time
 import warnings
@@ -33,12 +32,12 @@ from torch import nn
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation
 from memplan.analysis.tensors import Tensors
-from memplan.capture import TRACING, CapturedGraph, capture, check_leaves, is_static_leaf, is_user_frame, leaf_paths
+from memplan.capture import TRACING, CapturedGraph, capture, check_leaves, is_static_leaf, leaf_paths
 from memplan.emit import Emitted, emit, run_inference, run_training
 from memplan.errors import CaptureError, UnsupportedInputError
 from memplan.measure import format_bytes
 from memplan.graphutil import copy_graph, mutated_args
-from memplan.pipeline import PassManager, PassRecord
+from memplan.pipeline import PassManager, PassRecord, user_stacklevel
 from memplan.policy import Policy
 from memplan.verify import check_first_call
 
@@ -125,18 +124,6 @@ def _static_key(value: Any) -> tuple:
     if isinstance(value, (float, complex)):
         return ("py", type(value), repr(value))
     return ("py", type(value), value)
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` that makes a warning point at the caller's line: the first frame, counted from
-    the one calling ``warnings.warn``, outside memplan and torch (1 when there is none)."""
-    frame, level = sys._getframe(2), 2
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if filename.startswith("<") or is_user_frame(filename):  # a file of the user's, or a REPL cell
-            return level
-        frame, level = frame.f_back, level + 1
-    return 1
 
 
 # Plans for one set of tensor shapes that differ only in plain argument values before memplan warns that
@@ -497,7 +484,7 @@ class OptimizedModule(nn.Module):
         except (CaptureError, UnsupportedInputError) as exc:
             if self.fallback != "eager":
                 raise
-            warnings.warn(f"memplan runs this model eagerly (fallback='eager'): {exc}", stacklevel=_user_stacklevel())
+            warnings.warn(f"memplan runs this model eagerly (fallback='eager'): {exc}", stacklevel=user_stacklevel())
             plan = None
         while len(self._plans) >= self.max_plans:
             self._plans.popitem(last=False)
@@ -519,7 +506,7 @@ class OptimizedModule(nn.Module):
             "fixed shapes (dimensions that vary are not supported). Fix: bucket the shapes, padding inputs to a "
             "few sizes (round the sequence length or batch size up to a multiple of 64, and mask the padding), "
             f"or raise the bound (memplan.optimize(model, max_plans={2 * self.max_plans})) if memory allows.",
-            stacklevel=_user_stacklevel(),
+            stacklevel=user_stacklevel(),
         )
 
     def _warn_if_values_vary(self, key: tuple, call: tuple[tuple, dict]) -> None:
@@ -557,7 +544,7 @@ class OptimizedModule(nn.Module):
             f"memplan has planned this model {len(seen)} times for the same tensor shapes, once per value of "
             f"{', '.join(arguments + attributes)}: each new value is a new plan, which takes seconds, and each "
             f"plan is kept (up to max_plans={self.max_plans}). Fix: {'; '.join(fixes)}.",
-            stacklevel=_user_stacklevel(),
+            stacklevel=user_stacklevel(),
         )
 
     @staticmethod
