@@ -103,7 +103,7 @@ import heapq
 import itertools
 import math
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -892,15 +892,14 @@ def _accumulation(output: torch.fx.Node, nodes: Sequence[torch.fx.Node], outputs
     return zero, steps, node
 
 
-_VIEW_STEPS = {"view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "unsqueeze", "squeeze",
-               "select", "slice", "narrow", "alias", "detach", "diagonal", "as_strided", "_reshape_alias"}
+# the alias ops that make one view of one tensor from their first argument alone
+_VIEW_STEPS = ALIAS_OPS - {"unbind", "split", "split_with_sizes", "chunk", "unfold", "view_as", "lift_fresh"}
 
 
-def _view_chain(node: torch.fx.Node, nodes: Sequence[torch.fx.Node]) -> tuple[torch.fx.Node, tuple]:
-    """The value ``node`` is a chain of single-tensor views of, inside ``nodes``, and the view ops
+def _view_chain(node: torch.fx.Node, members: Container[torch.fx.Node]) -> tuple[torch.fx.Node, tuple]:
+    """The value ``node`` is a chain of single-tensor views of, inside ``members``, and the view ops
     from it to ``node`` (``(target, args after the first, kwargs)`` each, first op first; empty when
     ``node`` is no view). A view op whose other arguments are nodes ends the chain."""
-    members = set(nodes)
     chain = []
     while (node in members and packet_name(node) in _VIEW_STEPS and isinstance(node.args[0], torch.fx.Node)
            and node.args[0] in members
@@ -991,10 +990,11 @@ def _make_loops(
     # beside ``s``, or two views of ``s``): folding each on its own would add every chunk twice into
     # their one storage, and eager's views of one tensor are views of one tensor; the loop folds the
     # base once and hands out its views (the base as a hidden output when it is not returned itself)
+    members = set(nodes)
     for i, (node, index) in enumerate(list(body_outputs)):
         if index is not None or specs[i].same_as >= 0 or not specs[i].combined:
             continue
-        base, steps = _view_chain(node, nodes)
+        base, steps = _view_chain(node, members)
         if not steps or states.get(base) != states.get(node):
             continue
         j = first.get((base, None))
