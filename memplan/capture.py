@@ -381,11 +381,7 @@ def _check_requires_grad_unchanged(model: Any, traced: Sequence[torch.Tensor], g
 
 def _forward_line(model: Any) -> str:
     """``"Model.forward (model.py:12)"``: where the model's forward (or the function) is defined."""
-    function = type(model).forward if isinstance(model, nn.Module) else model
-    function = getattr(function, "func", function)  # a functools.partial
-    code = getattr(function, "__code__", None)
-    name = getattr(function, "__qualname__", _model_name(model))
-    return f"{name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})" if code is not None else name
+    return _describe_function(type(model).forward if isinstance(model, nn.Module) else model)
 
 
 def _check_outputs(model: Any, out: Any, flat_out: Sequence[Any]) -> None:
