@@ -146,6 +146,8 @@ from memplan.passes._chunk.loops import (
     body_graph,
     body_peak,
     build_body,
+    handed_over,
+    loop_scratch,
 )
 from memplan.passes._chunk.rules import (
     REP,
@@ -1021,7 +1023,8 @@ def _make_loops(
                 if inner and length in inner:
                     built[length] = apply_chunk(body_graph(built[length]), inner[length], compile).gm
         bodies = {length: built[length] for length in lengths}
-        scratch = max(body_peak(b) + held * length for length, b in bodies.items())
+        peaks = {length: body_peak(b) + held * length for length, b in bodies.items()}
+        scratch = loop_scratch(peaks.__getitem__, region.units, size, handed_over(bodies[min(size, region.units)], specs))
         spec = LoopSpec(region.units, size, loop_inputs, tuple(specs), scratch)
         loops[size] = ChunkLoop(spec, bodies)
     body_states = {node.name: states.get(node, REP) for node in nodes}
@@ -1693,7 +1696,7 @@ def _evaluate(graph: CapturedGraph, region: ChunkRegion, sizes: list[int], base_
     scratch_ids = [tensors.storages_of(call.name)[-1] for call, _ in built]
     fixed_cost = module_cost(applied.graph.gm, options.rates) - sum(loop.cost(options.rates) for _, loop in built)
     models = [
-        BodyModel.of(loop.bodies[str(sizes[0])], scales, sizes[0], held)
+        BodyModel.of(loop.bodies[str(sizes[0])], scales, sizes[0], held, loop.spec.outputs)
         for (_, loop), scales, held in zip(built, applied.scales, applied.held)
     ]
     candidates: list[Candidate] = []
@@ -1701,7 +1704,7 @@ def _evaluate(graph: CapturedGraph, region: ChunkRegion, sizes: list[int], base_
     for size in sizes:
         chunks = -(-region.units // size)
         last = region.units - (chunks - 1) * size
-        scratch = [max(model.peak(size), model.peak(last)) for model in models]
+        scratch = [model.scratch(region.units, size) for model in models]
         peak = memory.with_sizes(dict(zip(scratch_ids, scratch))).peak
         cost = fixed_cost + sum(
             (chunks - 1) * model.cost(size, options.rates) + model.cost(last, options.rates) + chunks * options.rates.chunk_seconds

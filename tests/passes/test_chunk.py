@@ -1241,3 +1241,17 @@ def test_a_loop_never_moves_a_read_across_an_in_place_write_outside_it():
     model, x = _SliceAddedInPlace(), torch.randn(65, 96, requires_grad=True)
     opt = memplan.optimize(model, passes="chunk", **FORCE)
     assert_equivalent(model, opt, x)
+
+
+def test_a_loops_scratch_counts_the_results_the_first_chunk_hands_over_once():
+    """During the first chunk a folded result is the body's own value; every later chunk runs beside it."""
+    from memplan.passes._chunk.loops import loop_scratch
+
+    def peak(length):  # a body with a 100-byte result and 10 bytes a unit besides
+        return 100 + 10 * length
+
+    assert loop_scratch(peak, 4, 4, results=100) == 40  # one chunk: the result is the body's
+    assert loop_scratch(peak, 3, 2, results=100) == 110  # the second chunk (1 unit) runs beside it
+    assert loop_scratch(peak, 6, 2, results=100) == 120  # a middle chunk (2 units) runs beside it
+    assert loop_scratch(peak, 6, 2) == 120
+    assert loop_scratch(peak, 4, 8, results=100) == 40  # a chunk longer than the units is all of them

@@ -32,7 +32,7 @@ from memplan.passes.inplace import apply_inplace, plan_inplace
 
 __all__ = [
     "AGAIN", "NEGATED", "original_name", "sink_negations", "rematerialise_cheap", "write_in_place", "LoopInput",
-    "LoopOutput", "LoopSpec", "ChunkLoop", "BodyModel", "build_body", "body_graph", "body_peak",
+    "LoopOutput", "LoopSpec", "ChunkLoop", "BodyModel", "build_body", "body_graph", "body_peak", "handed_over", "loop_scratch",
 ]
 
 
@@ -589,11 +589,14 @@ class BodyModel:
     steps: int
     work: tuple[OpWork, ...]
     held: int = 0  # bytes per unit of length the loop holds beside the body (inputs it widens)
+    results: int = 0  # bytes of the first chunk's values that become the loop's results (see handed_over)
 
     @classmethod
-    def of(cls, body: torch.fx.GraphModule, scales: Callable[[str, int | None], bool], length: int, held: int = 0) -> "BodyModel":
+    def of(cls, body: torch.fx.GraphModule, scales: Callable[[str, int | None], bool], length: int, held: int = 0,
+           outputs: Sequence[LoopOutput] = ()) -> "BodyModel":
         """``scales(name, index)``: the value of body node ``name`` (item ``index``) carries the index;
-        ``held``: bytes per unit of length the loop holds beside the body."""
+        ``held``: bytes per unit of length the loop holds beside the body; ``outputs``: how the loop
+        combines the body's outputs (for :func:`handed_over`)."""
         graph = body_graph(body)
         am = AnalysisManager(graph)
         tensors, liveness = am.get(Tensors), am.get(Liveness)
@@ -611,7 +614,7 @@ class BodyModel:
             return any(scales(node.name, i) for i in items)
 
         work = tuple(op_work(n, node_scales) for n in body.graph.nodes if n.op == "call_function")
-        return cls(length, tuple(storages), len(liveness.order), work, held)
+        return cls(length, tuple(storages), len(liveness.order), work, held, handed_over(body, outputs, tensors))
 
     def peak(self, length: int) -> int:
         born: dict[int, int] = {}
@@ -628,9 +631,66 @@ class BodyModel:
             live -= dies.get(index, 0)
         return peak + self.held * length
 
+    def scratch(self, units: int, chunk: int) -> int:
+        """The loop's scratch (see :func:`loop_scratch`) when it runs ``units`` units ``chunk`` at a time."""
+        return loop_scratch(self.peak, units, chunk, self.results)
+
     def cost(self, length: int, rates: CostRates) -> float:
         factor = length / self.length
         return sum(w.price(rates, factor) for w in self.work)
+
+
+# the combines whose first chunk's value is the result itself, folded into by the later chunks
+_HANDED_OVER = ("sum", "lse", "max", "min", "first")
+
+
+def handed_over(body: torch.fx.GraphModule, outputs: Sequence[LoopOutput], tensors: Tensors | None = None) -> int:
+    """Bytes of the values the first chunk of a loop hands over, uncopied, as the loop's results.
+
+    :meth:`ChunkLoop._combine` keeps the first chunk's value of a ``"sum"``, ``"lse"``, ``"max"``,
+    ``"min"`` or ``"first"`` output as the result the later chunks fold into. Counted are the folded
+    outputs the user sees (public, or the base of a public view) whose value owns a storage of its
+    own, exactly its size (a view of a larger storage, an expanded value, or one sharing its storage
+    with another folded output may be copied at run time, and is not counted: the scratch then stays
+    an upper bound)."""
+    if not outputs:
+        return 0
+    tensors = AnalysisManager(body_graph(body)).get(Tensors) if tensors is None else tensors
+    values = next(n for n in body.graph.nodes if n.op == "output").args[0]
+    infos = [tensors.tensors.get(v.name, ()) if isinstance(v, torch.fx.Node) else () for v in values]
+    folded = [out.same_as < 0 and out.view_of < 0 for out in outputs]  # the others are handed out from these
+    seen = {i for i, out in enumerate(outputs) if out.public} | {out.view_of for out in outputs if out.public}
+    uses: dict[int, int] = {}
+    for found, fold in zip(infos, folded):
+        for info in found if fold else ():
+            uses[info.storage] = uses.get(info.storage, 0) + 1
+    total = 0
+    for i, (found, out) in enumerate(zip(infos, outputs)):
+        if not (folded[i] and i in seen and out.kind in _HANDED_OVER and len(found) == 1):
+            continue
+        storage = tensors.storages[found[0].storage]
+        if not storage.external and uses[storage.id] == 1 and storage.nbytes == found[0].nbytes:
+            total += storage.nbytes
+    return total
+
+
+def loop_scratch(peak: Callable[[int], int], units: int, chunk: int, results: int = 0) -> int:
+    """The bytes a loop needs beside its results, at its highest chunk: what the simulation adds to
+    the loop's results (allocated when the loop starts) to get the loop's peak exactly.
+
+    ``peak(length)``: a body's peak at ``length`` units, its outputs included; ``results``: bytes of
+    those outputs the first chunk hands over as the results (:func:`handed_over`). During the first
+    chunk those results are the body's own values, so they are not counted twice; every later chunk
+    runs beside them."""
+    chunk = min(chunk, units)
+    chunks = -(-units // chunk)
+    last = units - (chunks - 1) * chunk
+    highest = peak(chunk) - results
+    if chunks > 2:
+        highest = max(highest, peak(chunk))
+    if chunks > 1:
+        highest = max(highest, peak(last))
+    return highest
 
 
 def body_peak(body: torch.fx.GraphModule) -> int:
