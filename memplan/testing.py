@@ -479,9 +479,9 @@ def _exact_difference(a: torch.Tensor, b: torch.Tensor) -> str | None:
     )
 
 
-def is_well_conditioned(model: nn.Module, *inputs: torch.Tensor, rtol: float = 1e-2, atol: float = 1e-3) -> bool:
-    """Whether float32 rounding moves the model's outputs and gradients less than ``rtol``/``atol``
-    away from a float64 run of the same model.
+def is_well_conditioned(model: nn.Module, *inputs: torch.Tensor, rtol: float = 1e-2, atol: float = 0.0) -> bool:
+    """Whether float32 rounding moves the model's outputs and gradients by less than ``rtol`` of their
+    scale away from a float64 run of the same model.
 
     Two equivalent programs (a matmul split into row blocks, a sum in another order) round
     differently. A well-conditioned model keeps that difference near the dtype's epsilon, so
@@ -489,6 +489,14 @@ def is_well_conditioned(model: nn.Module, *inputs: torch.Tensor, rtol: float = 1
     a large exponential, say) amplifies it past any fixed tolerance, even in float64. A random test
     should skip such models rather than loosen its tolerance for all of them. So should it skip a model
     whose float64 outputs or gradients are not finite (an overflowed exponential, its NaN gradient).
+
+    Each float32 tensor may differ from its float64 twin by ``rtol * S + atol``, with ``S`` the scale
+    :func:`assert_equivalent` judges it on: its own float64 largest magnitude, or the floor of its
+    family (outputs or gradients), the family's largest over ``sqrt(n)`` (``n``: the longest
+    dimension). So a tensor that is rounding noise on every scale the comparison knows (a gradient
+    that is zero in exact arithmetic, of a family that is all such gradients: the gradient of the
+    maximum of a cosine similarity, reached on the diagonal, is one) is ill-conditioned: its float32
+    values are noise, and two orders of noise need not agree within any tolerance derived from it.
     The model is deep-copied; both runs take the same upstream gradient and the same RNG seed, and
     the caller's RNG state is left as it was.
 
@@ -511,12 +519,22 @@ def is_well_conditioned(model: nn.Module, *inputs: torch.Tensor, rtol: float = 1
         tangents = [torch.randn(t.shape, generator=gen).to(t.device, dtype) for t in diff]
         leaves = [x for x in xs if x.requires_grad] + [p for p in copied.parameters() if p.requires_grad]
         grads = torch.autograd.grad(diff, leaves, tangents, allow_unused=True) if diff and leaves else ()
-        runs.append([t.detach() for t in out] + [g for g in grads if g is not None])
-    return all(
-        bool(torch.isfinite(b).all() and torch.isclose(a.double(), b, rtol=rtol, atol=atol).all())
-        if b.is_floating_point() else torch.equal(a, b)  # indices, counts
-        for a, b in zip(*runs, strict=True)
-    )
+        runs.append(([t.detach() for t in out], [g for g in grads if g is not None]))
+    (out32, grads32), (out64, grads64) = runs
+    terms = _longest_dimension([*inputs, *_model_tensors(model), *out64])
+    for family32, family64 in ((out32, out64), (grads32, grads64)):
+        floor = _family_scale(family64) / math.sqrt(terms)
+        for a, b in zip(family32, family64, strict=True):
+            if not b.is_floating_point():
+                if not torch.equal(a, b):  # indices, counts
+                    return False
+                continue
+            if not bool(torch.isfinite(b).all()):
+                return False
+            scale = max(_scale(b), floor)
+            if not bool(((a.double() - b).abs() <= rtol * (b.abs() + scale) + atol).all()):
+                return False
+    return True
 
 
 def _leaf_names(model: Any, call: tuple[tuple, dict]) -> list[str]:

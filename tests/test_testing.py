@@ -27,6 +27,18 @@ def test_is_well_conditioned_tells_rounding_amplifiers_and_overflows_from_the_re
     assert sum(is_well_conditioned(*_flat(random_model(s, requires_grad_input=True))) for s in range(20)) >= 18
 
 
+def test_a_gradient_that_is_rounding_noise_on_every_scale_is_ill_conditioned():
+    """The maximum of a cosine similarity is the diagonal's 1 whatever x is: x's gradient is zero in
+    exact arithmetic, and its float32 values (about eps) are noise that two summation orders need not
+    agree on. A gradient that cancels beside others of scale 1 (a bias before a centring) is judged on
+    its family's floor instead, and stays comparable."""
+    x = torch.randn(2, 17, 4, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    cosine = Fn(lambda v: torch.nn.functional.cosine_similarity(v[..., :, None, :], v[..., None, :, :], dim=-1).amax(-1))
+    assert not is_well_conditioned(cosine, x)
+    centred = nn.Sequential(nn.Linear(4, 16), nn.LayerNorm(16, elementwise_affine=False), nn.Linear(16, 4))
+    assert is_well_conditioned(centred, x)
+
+
 def test_is_well_conditioned_leaves_the_rng_alone():
     x = torch.rand(8, 4)
     torch.manual_seed(5)
