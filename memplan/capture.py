@@ -1034,7 +1034,10 @@ def _restrided_values(tracer: Tracer, broadcast: list[torch.fx.Node]) -> dict[to
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda arg: changed.get(arg, arg.meta.get("val")))
         try:
             value = tracer.evaluate(node.target, args, kwargs)
-        except RuntimeError:  # the op's meta kernel refuses this layout (view_as_complex: unit stride)
+        except (RuntimeError, ValueError):
+            # the op refuses this layout: view_as_complex needs unit stride; a view that autograd's
+            # reshape made of a dense gradient cannot view the strides a broadcast tangent gives (the
+            # reference implementations raise ValueError)
             return None
         if _layout(value) != _layout(node.meta.get("val")):
             changed[node] = value

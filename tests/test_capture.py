@@ -285,6 +285,34 @@ def test_a_tangent_the_backward_cannot_take_broadcast_reaches_it_dense():
         torch.testing.assert_close(planned.grad, reference.grad)
 
 
+class _BlockMatmul(nn.Module):
+    """A matmul over blocks of the features, flattened back, returned with its transpose."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 32, 32) * 0.17)
+
+    def forward(self, x):
+        y = (x.reshape(x.shape[0], 8, 1, 32) @ self.w).reshape(x.shape[0], 256)
+        return y, y.transpose(-1, -2)
+
+
+def test_a_view_autograd_made_of_a_dense_gradient_sends_the_tangent_dense():
+    # the trace's dense tangents sum to a dense gradient of y, which matmul's backward views as
+    # (B*8, 1, 32); with broadcast tangents the sum is laid out after the transpose, and the replay's
+    # view raised ValueError from torch's reference implementation: a CaptureError for a model eager
+    # trains (found by the structural fuzzer, seed 5289)
+    model, x = _BlockMatmul(), torch.randn(158, 256, requires_grad=True)
+    cg = capture(model, x, seed="tangents")
+    assert any(o.dense_tangent for o in cg.outputs if o.kind == "output")
+    opt = optimize(model)
+    assert_equivalent(model, opt, x)
+    reference, planned = x.detach().requires_grad_(), x.detach().requires_grad_()
+    sum(t.sum() for t in model(reference)).backward()
+    sum(t.sum() for t in opt(planned)).backward()
+    assert_equivalent(lambda: reference.grad, lambda: planned.grad, grad=False)
+
+
 # ----------------------------------------------------------------------------------------------
 # the tracer: make_fx's graph, made from a cache on repeated steps
 
