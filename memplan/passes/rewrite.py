@@ -1162,11 +1162,14 @@ def _runs_on(reader: torch.fx.Node, old: torch.fx.Node, value: torch.Tensor, mod
     and autograd copies one laid out unlike the leaf into the leaf's layout, a copy the plan does not
     see (capture plans that copy where the trace's gradient needs it, on the old layout). Counterexample:
     ``(x @ w).min(0)`` gave ``w``'s gradient transposed, and autograd's copy of it was 5% above the
-    predicted peak."""
+    predicted peak. A pointwise op lays its result out after its inputs, so a changed layout also
+    flows through the ops that are not views, to the output: ``a.squeeze(0) + b.squeeze(1)``, two
+    contributions to one gradient, gave it the transposed layout of the product they came from."""
     if reader.op == "output":
         return same_layouts(old.meta.get("val"), value)
-    if reader.op != "call_function" or not is_view_op(reader.target):
-        return True
+    if reader.op != "call_function" or mutated_args(reader):
+        return True  # an in-place op's result is its input, laid out as it is
+    view = is_view_op(reader.target)
 
     def to_val(a: Any) -> Any:
         return value if a is old else a.meta["val"] if isinstance(a, torch.fx.Node) else a
@@ -1177,8 +1180,10 @@ def _runs_on(reader: torch.fx.Node, old: torch.fx.Node, value: torch.Tensor, mod
                                    **torch.fx.node.map_aggregate(reader.kwargs, to_val))
     except (RuntimeError, ValueError):
         return False
+    if not view and same_layouts(reader.meta.get("val"), result):
+        return True  # the op lays its result out as traced: its readers see nothing new
     if not isinstance(result, torch.Tensor):
-        return True
+        return view  # a view's items (split) were run; another op's changed items are not followed
     if depth == 0:
         return False  # not followed to its end: copied, to be safe
     return all(_runs_on(user, reader, result, mode, depth - 1) for user in reader.users)
