@@ -60,6 +60,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -210,6 +211,15 @@ class ScheduleProblem:
         for i in range(n):
             preds[i].discard(i)
 
+        # The getitems of a multi-output node, in the node's phase: they take its items out of the tuple
+        # that holds all of them (a chunk loop's scratch included) until its last getitem.
+        self.items: list[list[int]] = [[] for _ in range(n)]
+        for i, node in enumerate(nodes):
+            if node.op == "call_function" and node.target is operator.getitem and len(node.all_input_nodes) == 1:
+                source = position_of.get(node.all_input_nodes[0])
+                if source is not None and self.backward[source] == self.backward[i]:
+                    self.items[source].append(i)
+
         self.preds: list[list[int]] = [sorted(p) for p in preds]
         succs: list[list[int]] = [[] for _ in range(n)]
         for i, ps in enumerate(self.preds):  # i ascending: each list of successors comes out sorted
@@ -253,6 +263,21 @@ class ScheduleProblem:
                 extra[int(position[readers].max()) + 1] -= nbytes
             live = live + np.cumsum(extra[:-1])
         return max(0, int(live.max()))
+
+    def items_first(self, order: Sequence[int]) -> list[int]:
+        """``order`` with every getitem (see ``items``) right after the node it reads. Never a higher
+        peak: a getitem allocates nothing, and the tuple it reads keeps every item alive until the
+        last getitem runs, so a getitem placed late keeps the items, and a chunk loop's scratch, alive
+        for nothing. Valid when ``order`` is: a getitem depends on its node alone."""
+        moved = {j for js in self.items for j in js}
+        if not moved:
+            return list(order)
+        result: list[int] = []
+        for i in order:
+            if i not in moved:
+                result.append(i)
+                result.extend(self.items[i])
+        return result
 
     def is_valid(self, order: Sequence[int]) -> bool:
         """True when ``order`` respects every dependency and the phase boundary."""
@@ -565,7 +590,7 @@ def plan_schedule(
     dense_limit = None  # the input order's peak with dense output gradients
     peaks = []
     for name in strategies:
-        order = STRATEGIES[name](problem)
+        order = problem.items_first(STRATEGIES[name](problem))
         if name != "original" and not problem.is_valid(order):
             continue  # a strategy may only ever produce valid orders; never take the risk
         timeline = problem.model.with_order(order)
