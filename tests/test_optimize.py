@@ -24,7 +24,7 @@ MODELS = [(w.name, w.model, w.inputs) for w in EXAMPLES] + [(z.name, z.model, z.
 def test_empty_pipeline_is_exact_and_never_uses_more_memory(name, model, inputs):
     opt = optimize(model, passes="")
     # identical: the same aten ops run in the same order
-    assert_equivalent(model, opt, *inputs, rtol=0, atol=0)
+    assert_equivalent(model, opt, *inputs, exact=True)
     for train in (True, False):
         eager_step, opt_step = step_fn(model, inputs, train=train), step_fn(opt, inputs, train=train)
         opt_step()
@@ -38,7 +38,7 @@ def test_empty_pipeline_is_exact_and_never_uses_more_memory(name, model, inputs)
 @pytest.mark.parametrize("seed", range(6))
 def test_random_programs_are_exact(seed):
     model, inputs = random_model(seed, requires_grad_input=True)
-    assert_equivalent(model, optimize(model, passes=""), *inputs, rtol=0, atol=0)
+    assert_equivalent(model, optimize(model, passes=""), *inputs, exact=True)
 
 
 def test_gradient_layout_copies_are_planned_not_left_to_autograd():
@@ -240,7 +240,7 @@ class Dropper(nn.Module):
 
 def test_random_ops_match_eager_under_the_same_seed():
     model = Dropper()
-    assert_equivalent(model, optimize(model, passes=""), torch.randn(8, 16), rtol=0, atol=0)
+    assert_equivalent(model, optimize(model, passes=""), torch.randn(8, 16), exact=True)
 
 
 def test_batchnorm_running_statistics_update_like_eager():
@@ -278,12 +278,12 @@ def test_a_checkpointed_segment_recomputes_with_the_models_current_parameters():
     reference = copy.deepcopy(model)
     opt = optimize(model)
     x = torch.randn(5, 6, requires_grad=True)
-    assert_equivalent(reference, opt, x, rtol=1e-5, atol=1e-6)
+    assert_equivalent(reference, opt, x)
     with torch.no_grad():
         for module in (model, reference):
             for p in module.parameters():
                 p.mul_(-0.5)
-    assert_equivalent(reference, opt, x, rtol=1e-5, atol=1e-6)
+    assert_equivalent(reference, opt, x)
 
 
 def test_fused_lstm_trains_like_eager():
@@ -293,7 +293,7 @@ def test_fused_lstm_trains_like_eager():
     model = nn.LSTM(8, 16, num_layers=2)
     inputs = (torch.randn(30, 3, 8),)
     opt = optimize(model)
-    assert_equivalent(model, opt, *inputs, rtol=1e-5, atol=1e-6)
+    assert_equivalent(model, opt, *inputs)
     for train in (True, False):  # and inference does not make the workspace that eager does not make
         eager_step, opt_step = step_fn(model, inputs, train=train), step_fn(opt, inputs, train=train)
         opt_step()
@@ -518,7 +518,7 @@ def test_distribution_argument_checks_are_a_clear_error_with_their_fix():
         # explicit: torch's default is off once torch.compile has run in the process
         optimize(SamplesNormal(validate_args=True))(torch.randn(5, 8))
     model = SamplesNormal(validate_args=False)  # the fix the message gives
-    assert_equivalent(model, optimize(model), torch.randn(5, 8), rtol=1e-5, atol=1e-6)
+    assert_equivalent(model, optimize(model), torch.randn(5, 8))
 
 
 class PacksSequences(nn.Module):

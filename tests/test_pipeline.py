@@ -322,7 +322,7 @@ def test_a_language_model_meets_budgets_down_to_half_its_eager_peak():
     for fraction in (0.8, 0.5):
         budget = int(eager * fraction)
         opt = optimize(model, budget=budget)
-        assert_equivalent(model, opt, *inputs, rtol=1e-4, atol=1e-5)
+        assert_equivalent(model, opt, *inputs)
         peak = measure(step_fn(opt, inputs, train=True)).peak
         assert peak == opt.plan.planned_peak + step_margin(opt.plan.graph) and peak <= budget
         assert last is None or peak <= last
