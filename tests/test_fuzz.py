@@ -297,8 +297,9 @@ def test_structural_programs_pass_the_oracle(seed):
 # results twice, 414 until schedule's candidates took getitems right after their node; 5243's
 # gradient cancels from terms ten times its size, and rounds further than the derived tolerance in
 # eager itself, so assert_equivalent asks the float64 arbiter; 5289 raised in capture; 5592's leaf
-# gradient left a rewrite laid out unlike the leaf).
-FOUND_SEEDS = (63, 108, 300, 414, 471, 5243, 5289, 5592)
+# gradient left a rewrite laid out unlike the leaf; 1145's loop summed zeros a write outside it had
+# not yet filled).
+FOUND_SEEDS = (63, 108, 300, 414, 471, 1145, 5243, 5289, 5592)
 
 
 @pytest.mark.parametrize("seed", FOUND_SEEDS)

@@ -103,7 +103,7 @@ import heapq
 import itertools
 import math
 import operator
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -1630,13 +1630,20 @@ def _variants(graph: CapturedGraph, region: ChunkRegion, options: ChunkOptions) 
     return [(base, sizes) for base in bases] if sizes else []
 
 
-def _placeable(graph: CapturedGraph, region: ChunkRegion) -> bool:
+def _placeable(graph: CapturedGraph, region: ChunkRegion, tensors: Tensors) -> bool:
     """Whether the region's loops can be placed at all: the graph, with the region's forward nodes
     made one node (the forward loop) and its backward nodes another (the backward loop, which also
     reads what its recomputed forward nodes read), has no cycle. A region that reads, through nodes
     outside it, a value it makes has one (a flood that went around an op without a chunk rule, such
     as attention, and met its output again); building it would fail only after the copy of the
     graph, the loops' bodies and their traces were made.
+
+    The edges are the data edges and the order of each storage's in-place writes against its other
+    touchers (the nodes aliasing it and their readers): a write comes after the touchers before it
+    and before those after it, as in eager. Without them a loop could run at one place an op before
+    a write outside it and an op after it. Counterexample: ``v = zeros_like(a); v[:, :k] = t;
+    v.sum(-1)`` with ``zeros_like`` and ``sum`` in a loop and the write (a ``copy_`` into a slice,
+    which the index cannot cross) outside: the loop summed the zeros, and the output was 0.
 
     A cycle through a loop runs between its first and its last member in graph order, so only the
     nodes there are walked.
@@ -1661,7 +1668,54 @@ def _placeable(graph: CapturedGraph, region: ChunkRegion) -> bool:
         for arg in node_of(name).all_input_nodes:
             if arg.name not in recomputed and position[arg] >= first and group.get(arg) != "backward":
                 contracted.add_edge(group.get(arg, arg), "backward")
+    for chain in _write_chains(graph, tensors, position, first, last):
+        for before, after in zip(chain, chain[1:]):
+            source, target = group.get(before, before), group.get(after, after)
+            if source is not target:
+                contracted.add_edge(source, target)
     return nx.is_directed_acyclic_graph(contracted)
+
+
+def _write_chains(graph: CapturedGraph, tensors: Tensors, position: Mapping[torch.fx.Node, int],
+                  first: int, last: int) -> Iterator[list[torch.fx.Node]]:
+    """Per storage written in place between positions ``first`` and ``last``, the order eager keeps
+    between its writes and its other touchers there (the nodes aliasing it, and their readers), as
+    short chains: each toucher after the write before it and before the write after it, each write
+    after the one before (linear in the touchers, where every pair would be quadratic in a loop's
+    accumulations)."""
+    written: dict[int, set[torch.fx.Node]] = {}
+    for node in itertools.islice(graph.gm.graph.nodes, first, last + 1):
+        if node.op == "call_function":
+            for target in mutated_args(node):
+                for sid in tensors.storages_of(target.name):
+                    written.setdefault(sid, set()).add(node)
+    node_of = graph.node
+    for sid, writers in written.items():
+        touchers = set(writers)
+        for name in tensors.storages[sid].members:
+            member = node_of(name)
+            touchers.add(member)
+            touchers.update(member.users)
+        inside = sorted((n for n in touchers if n in position and first <= position[n] <= last), key=position.__getitem__)
+        yield from _ordered_around_writes(inside, writers)
+
+
+def _ordered_around_writes(chain: list[torch.fx.Node], writers: set[torch.fx.Node]) -> Iterator[list[torch.fx.Node]]:
+    """Chains of two or three nodes tying each toucher of ``chain`` to the writes on either side of it:
+    (toucher, next write), (previous write, toucher) and (write, next write)."""
+    last_write = None
+    pending: list[torch.fx.Node] = []  # touchers since the last write
+    for node in chain:
+        if node in writers:
+            for toucher in pending:
+                yield [toucher, node]
+            if last_write is not None:
+                yield [last_write, node]
+            last_write, pending = node, []
+        else:
+            if last_write is not None:
+                yield [last_write, node]
+            pending.append(node)
 
 
 def _evaluate(graph: CapturedGraph, region: ChunkRegion, sizes: list[int], base_cost: float,
@@ -1884,7 +1938,7 @@ def _plan(
                            min((c.overhead for c in candidates if c.peak <= policy.budget), default=math.inf))
                 if _overhead_bound(current, variant, opts.rates, fewest) > (allowed - spent) * base_cost:
                     continue
-                if not _placeable(current, variant):
+                if not _placeable(current, variant, tensors):
                     continue
                 # a variant whose body does not trace is dropped: torch's log of the failing op is noise
                 if hazards is None:

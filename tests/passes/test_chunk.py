@@ -15,6 +15,7 @@ import memplan._capture.tracer as tracer
 import memplan.examples as examples
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation, live_steps
+from memplan.analysis.tensors import Tensors
 from memplan.capture import capture
 from memplan.graphutil import is_random, packet_name
 from memplan.measure import measure
@@ -591,7 +592,7 @@ def test_a_body_that_fails_to_trace_leaves_no_error_in_the_log(monkeypatch, fake
     # finds before building it: the check is switched off here to reach the trace.)
     from memplan.passes import chunk as chunk_pass
 
-    monkeypatch.setattr(chunk_pass, "_placeable", lambda graph, region: True)
+    monkeypatch.setattr(chunk_pass, "_placeable", lambda graph, region, tensors: True)
     dropped = []
     quiet = tracer._META_FAILURES.filter
     monkeypatch.setattr(tracer._META_FAILURES, "filter", lambda r: quiet(r) or dropped.append(r))
@@ -749,7 +750,7 @@ def test_a_region_is_placeable_exactly_when_its_loops_can_be_built():
         graph, _, regions = _regions_of(model, inputs)
         for region in regions:
             for variant, sizes in chunk_pass._variants(graph, region, chunk_pass.ChunkOptions()):
-                placeable = chunk_pass._placeable(graph, variant)
+                placeable = chunk_pass._placeable(graph, variant, AnalysisManager(graph).get(Tensors))
                 try:
                     chunk_pass._apply_region(graph, dataclasses.replace(variant, chunk=sizes[0]), compile=False)
                     built = True
@@ -1251,3 +1252,26 @@ def test_a_loops_scratch_counts_the_results_the_first_chunk_hands_over_once():
     assert loop_scratch(peak, 6, 2, results=100) == 120  # a middle chunk (2 units) runs beside it
     assert loop_scratch(peak, 6, 2) == 120
     assert loop_scratch(peak, 4, 8, results=100) == 40  # a chunk longer than the units is all of them
+
+
+class _WrittenThenSummed(nn.Module):
+    """A pairwise max, a zero tensor written in part by a slice (an op the index cannot cross), summed."""
+
+    def forward(self, x, y):
+        m = (x[..., :, :, None] + y[..., None, :, :]).amax(dim=-2)
+        v = torch.zeros_like(m)
+        v[..., :41] = m[..., :41].tanh()
+        return v.sum(-1)
+
+
+def test_a_loop_never_runs_a_read_and_the_write_before_it_in_the_wrong_order():
+    # the loop made the zeros and summed them, and the write into a slice between the two stayed
+    # outside it: the loop summed zeros, and every output was 0 (found by the structural fuzzer, seed
+    # 1145, in inference and under a budget); the write's order against its storage's other touchers
+    # now ties the region as its data edges do
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(2, 54, 64, generator=gen), torch.randn(64, 83, generator=gen)
+    model = _WrittenThenSummed()
+    assert_equivalent(model, memplan.optimize(model, passes="chunk", **FORCE), x, y, grad=False)
+    x.requires_grad_(), y.requires_grad_()
+    assert_equivalent(model, memplan.optimize(model, passes="chunk", **FORCE), x, y)
