@@ -7,7 +7,7 @@
 """
 
 from memplan import ops as _ops  # noqa: F401  (registers torch.ops.memplan, which plans and reproducers may hold)
-from memplan.analysis.memory import MemoryAnalysis, analyze
+from memplan.analyze import MemoryAnalysis, analyze
 from memplan.api import OptimizedModule, Plan, optimize
 from memplan.capture import CapturedGraph
 from memplan.errors import (

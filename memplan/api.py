@@ -31,13 +31,13 @@ from torch import nn
 
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation
-from memplan.analysis.tensors import Tensors
+from memplan.analysis.tensors import Tensors, parameter_bytes
 from memplan.capture import TRACING, CapturedGraph, capture, check_leaves, is_static_leaf, leaf_paths
 from memplan.emit import Emitted, emit, run_inference, run_training
 from memplan.errors import CaptureError, UnsupportedInputError
 from memplan.measure import format_bytes
 from memplan.graphutil import copy_graph, mutated_args
-from memplan.pipeline import PassManager, PassRecord, user_stacklevel
+from memplan.pipeline import PassManager, PassRecord, check_options, user_stacklevel
 from memplan.policy import Policy
 from memplan.verify import check_first_call
 
@@ -74,7 +74,7 @@ class Plan:
         from memplan.report.data import build_report
 
         return build_report(
-            self.original, self.graph, records=self.records, title=title, parameter_bytes=_external_bytes(self.original)
+            self.original, self.graph, records=self.records, title=title, parameter_bytes=parameter_bytes(self.original)
         )
 
     @property
@@ -555,26 +555,6 @@ class OptimizedModule(nn.Module):
         return tensors
 
 
-def _check_options(options: Mapping[str, Any]) -> None:
-    """Every pass option names a pass that takes options and one of its fields, with a value it takes
-    (a misspelt key was ignored: the option silently did nothing)."""
-    from memplan.passes.arena import ArenaOptions
-    from memplan.passes.chunk import ChunkOptions
-    from memplan.passes.inplace import InplaceOptions
-    from memplan.passes.remat import RematOptions
-    from memplan.passes.timesteps import TimestepOptions
-
-    readers = {"arena": ArenaOptions.from_mapping, "chunk": ChunkOptions.from_options,
-               "inplace": InplaceOptions.from_mapping, "remat": RematOptions.from_mapping,
-               "timesteps": TimestepOptions.from_mapping}
-    for key in options:
-        if not isinstance(key, str) or key.split(".", 1)[0] not in readers or "." not in key:
-            raise ValueError(f"unknown pass option {key!r}: options are named '<pass>.<option>' for the passes "
-                             f"{', '.join(sorted(readers))} (e.g. 'chunk.counts'); each pass's module documents its own")
-    for read in readers.values():
-        read(options)  # an unknown field, or a value of the wrong type, raises naming the valid ones
-
-
 def _keys_of_the_original(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
     """A load-state-dict pre-hook of :class:`OptimizedModule`: the keys under ``prefix`` that name the
     original's entries without ``model.`` (what the module's state_dict() gives) are renamed to the
@@ -586,20 +566,6 @@ def _keys_of_the_original(module: nn.Module, state_dict: dict[str, Any], prefix:
         renamed = inner + key[len(prefix):]
         if renamed not in state_dict:
             state_dict[renamed] = state_dict.pop(key)
-
-
-def _external_bytes(graph: CapturedGraph) -> int:
-    """Bytes of the parameters and buffers the graph reads (they exist before a step)."""
-    tensors = AnalysisManager(graph).get(Tensors)
-    seen: set[int] = set()
-    total = 0
-    for spec in graph.inputs:
-        if spec.kind in ("parameter", "buffer"):
-            for sid in tensors.storages_of(spec.node):
-                if sid not in seen:
-                    seen.add(sid)
-                    total += tensors.storages[sid].nbytes
-    return total
 
 
 def _check_mutations(graph: CapturedGraph, am: AnalysisManager | None = None) -> None:
@@ -726,7 +692,7 @@ def optimize(
             "the module itself, memplan.optimize(model) (a compiled module keeps it as ._orig_mod)."
         )
     names = parse_pipeline(DEFAULT_PIPELINE if passes is None else passes)
-    _check_options(options or {})
+    check_options(options or {})
     return OptimizedModule(
         model, policy=Policy(budget=budget, max_overhead=max_overhead), passes=names, fallback=fallback,
         options=options, max_plans=max_plans, verify=verify,

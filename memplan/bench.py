@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 import memplan.examples as examples
-from memplan.analysis.memory import analyze
+from memplan.analyze import analyze
 from memplan.measure import format_bytes, measure
 from memplan.steps import step_fn
 

@@ -71,7 +71,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from memplan._capture.tracer import GeneratorArgumentError, NotDenseError, Tracer, new_fake_mode, quiet_meta_failures
 from memplan.errors import CaptureError, UnsupportedInputError
-from memplan.opschema import is_view_op, mutated_args
+from memplan.opschema import is_random, is_view_op, mutated_args
 
 __all__ = [
     "Phase",
@@ -792,8 +792,6 @@ def _refuse_random_recomputation(graph: "CapturedGraph") -> None:
     runs the checkpointed function again): eager replays the forward's random state for it, which the
     trace does not record, so a plan would draw a new dropout mask where eager draws the old one, and
     compute other gradients. Refused, naming the op and the user's line."""
-    from memplan.graphutil import is_random
-
     for node in graph.gm.graph.nodes:
         if node.op == "call_function" and graph.phases.get(node.name) is Phase.BACKWARD and is_random(node):
             raise CaptureError(

@@ -62,7 +62,7 @@ def _analyze(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     import memplan.examples as examples
-    from memplan.analysis.memory import analyze
+    from memplan.analyze import analyze
 
     name, model, inputs = load_target(args.workload, size=args.size, device=args.device)
     result = analyze(model, *inputs, train=args.mode == "train")

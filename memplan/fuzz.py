@@ -50,6 +50,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 
+from memplan.equivalence import assert_equivalent, is_well_conditioned
 from memplan.errors import CaptureError, InfeasibleBudgetError
 from memplan.pipeline import pass_failures
 
@@ -1149,13 +1150,13 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _where(error: BaseException) -> str:
-    """The exception's type and the last line of memplan (outside this module and the testing
-    helpers) in its traceback, then the same of the exception it was raised from, if any:
+    """The exception's type and the last line of memplan (outside this module and the equivalence
+    oracle it checks with) in its traceback, then the same of the exception it was raised from, if any:
     ``"PassError at pipeline.py:310 from ValueError at passes/chunk.py:120"``."""
     inside = [
         f for f in traceback.extract_tb(error.__traceback__)
         if os.path.abspath(f.filename).startswith(_PACKAGE + os.sep)
-        and os.path.basename(f.filename) not in ("fuzz.py", "testing.py")
+        and os.path.basename(f.filename) not in ("fuzz.py", "equivalence.py")
     ]
     where = type(error).__name__
     if inside:
@@ -1210,15 +1211,11 @@ class _Checker:
         return self._eager_peak
 
     def equivalence(self) -> None:
-        from memplan.testing import assert_equivalent
-
         assert_equivalent(self.model, self.opt, *self.inputs)
 
     def random(self) -> None:
         """Two consecutive calls from one seed draw what eager's do. This check runs first, so the
         first call also plans: planning must leave the generator alone."""
-        from memplan.testing import assert_equivalent
-
         with torch.random.fork_rng():
             torch.manual_seed(0)
             eager = [_tensors(self.model(*self.inputs)) for _ in range(2)]
@@ -1235,8 +1232,6 @@ class _Checker:
                                    f"first call's, {count}-{2 * count - 1} the second's): {e}") from None
 
     def inference(self) -> None:
-        from memplan.testing import assert_equivalent
-
         try:
             assert_equivalent(self.model, self.opt, *self.inputs, grad=False)
         except AssertionError as e:
@@ -1274,7 +1269,6 @@ class _Checker:
     def budget(self) -> None:
         from memplan.measure import measure
         from memplan.steps import step_fn
-        from memplan.testing import assert_equivalent
 
         budget = self.eager_peak() // 2
         constrained = self.optimize(self.model, budget=budget)
@@ -1338,8 +1332,6 @@ def check_program(
     >>> check_program(model, inputs, passes="", checks=("equivalence",))
     []
     """
-    from memplan.testing import is_well_conditioned
-
     unknown = [c for c in checks if c not in CHECKS]
     if unknown:
         raise ValueError(f"unknown checks {unknown}: choose among {', '.join(CHECKS)}")

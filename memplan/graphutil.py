@@ -22,7 +22,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from memplan._capture.tracer import create_node  # capture's tracer makes its nodes the same way
 from memplan.capture import CapturedGraph, Phase
-from memplan.opschema import is_pure_view, is_view_op, mutated_args
+from memplan.opschema import is_pure_view, is_random, is_view_op, mutated_args
 
 __all__ = [
     "packet_name",
@@ -43,33 +43,6 @@ def packet_name(node: torch.fx.Node) -> str:
     """``"mm"`` for ``aten.mm.default``; ``""`` for non-operator nodes."""
     packet = getattr(node.target, "overloadpacket", None)
     return packet.__name__ if packet is not None else ""
-
-
-def is_random(node: torch.fx.Node) -> bool:
-    """True for ops that draw from the RNG (their values change if they run twice).
-
-    Fused attention (``scaled_dot_product_attention``'s kernels) is tagged as drawing, for its
-    dropout, but with ``dropout_p=0`` it draws nothing and runs the same every time.
-
-    Examples
-    --------
-    >>> import torch
-    >>> from memplan.capture import capture
-    >>> q = torch.randn(1, 2, 4, 8)
-    >>> g = capture(lambda q, p: torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=p),
-    ...             q, 0.0, train=False)
-    >>> [is_random(n) for n in g.gm.graph.nodes if n.op == "call_function" and "attention" in str(n.target)]
-    [False]
-    """
-    tags = getattr(node.target, "tags", ())
-    if torch.Tag.nondeterministic_seeded not in tags:
-        return False
-    schema = getattr(node.target, "_schema", None)
-    for i, argument in enumerate(schema.arguments if schema is not None else ()):
-        if argument.name == "dropout_p":
-            p = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", argument.default_value)
-            return not (isinstance(p, (int, float)) and p == 0)
-    return True
 
 
 def copy_graph(graph: CapturedGraph) -> CapturedGraph:

@@ -1,4 +1,5 @@
-"""What an operator's schema says about its arguments: which it writes, whether it only makes views.
+"""What an operator's schema says about its arguments: which it writes, whether it only makes views,
+whether it draws from the RNG.
 
 No dependency on the rest of memplan, so capture and the passes can both use it.
 """
@@ -10,7 +11,7 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["CONTIGUOUS_RESULTS", "GRAD_MODE_OPS", "SIZED_BY_RUNNING", "REDUCED_IN_RESULT", "STORAGE_OF_INPUT", "mutated_args", "result_storage_numel", "is_pure_view", "is_view_op"]
+__all__ = ["CONTIGUOUS_RESULTS", "GRAD_MODE_OPS", "SIZED_BY_RUNNING", "REDUCED_IN_RESULT", "STORAGE_OF_INPUT", "mutated_args", "result_storage_numel", "is_pure_view", "is_random", "is_view_op"]
 
 
 def _defaults(*names: str) -> frozenset:
@@ -162,6 +163,33 @@ def is_pure_view(node: torch.fx.Node) -> bool:
     if node.op != "call_function":
         return False
     return is_view_op(node.target)
+
+
+def is_random(node: torch.fx.Node) -> bool:
+    """True for ops that draw from the RNG (their values change if they run twice).
+
+    Fused attention (``scaled_dot_product_attention``'s kernels) is tagged as drawing, for its
+    dropout, but with ``dropout_p=0`` it draws nothing and runs the same every time.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from memplan.capture import capture
+    >>> q = torch.randn(1, 2, 4, 8)
+    >>> g = capture(lambda q, p: torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=p),
+    ...             q, 0.0, train=False)
+    >>> [is_random(n) for n in g.gm.graph.nodes if n.op == "call_function" and "attention" in str(n.target)]
+    [False]
+    """
+    tags = getattr(node.target, "tags", ())
+    if torch.Tag.nondeterministic_seeded not in tags:
+        return False
+    schema = getattr(node.target, "_schema", None)
+    for i, argument in enumerate(schema.arguments if schema is not None else ()):
+        if argument.name == "dropout_p":
+            p = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", argument.default_value)
+            return not (isinstance(p, (int, float)) and p == 0)
+    return True
 
 
 def is_view_op(target: Any) -> bool:

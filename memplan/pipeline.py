@@ -44,7 +44,7 @@ import torch.fx
 
 from memplan.analysis.liveness import Liveness
 from memplan.analysis.manager import AnalysisManager
-from memplan.analysis.memory import MemoryAnalysis
+from memplan.analysis.explain import explain_peak
 from memplan.analysis.peak import PeakSimulation, step_margin
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph, InputSpec, OutputSpec, Phase, SourceLine, is_user_frame
@@ -66,6 +66,7 @@ __all__ = [
     "failure_mode",
     "register_pass",
     "registered_passes",
+    "check_options",
     "pass_options",
     "parse_pipeline",
     "verify",
@@ -108,18 +109,39 @@ class PassContext:
 
 
 PassFn = Callable[[CapturedGraph, PassContext], PassResult]
-_REGISTRY: dict[str, PassFn] = {}
+OptionsReader = Callable[[Mapping[str, Any]], Any]
 
 
-def register_pass(name: str, fn: PassFn | None = None) -> Any:
-    """Register a pass under ``name`` (usable as a decorator). Registering a name twice is an error."""
+@dataclasses.dataclass(frozen=True)
+class _Registered:
+    """What the pipeline knows of a registered pass (see :func:`register_pass`)."""
+
+    fn: PassFn
+    options: OptionsReader | None = None
+    retry_before: str | None = None
+
+
+_REGISTRY: dict[str, _Registered] = {}
+
+
+def register_pass(name: str, fn: PassFn | None = None, *, options: OptionsReader | None = None,
+                  retry_before: str | None = None) -> Any:
+    """Register a pass under ``name`` (usable as a decorator). Registering a name twice is an error.
+
+    ``options``: the pass's reader of its ``"<name>.<option>"`` options (its frozen options class filled
+    by :func:`pass_options`), so that :func:`check_options` refuses a misspelt option up front, where
+    the pass alone would ignore it. ``retry_before``: a pass this one may also run just before, when
+    the pipeline runs it after that one: where a rung of :meth:`PassManager.ladder` misses its budget
+    even with its lowest plan, the ladder plans that order too and keeps the lower plan. The order is
+    the pass's to know, not the pipeline's.
+    """
 
     def add(f: PassFn) -> PassFn:
         if name in _REGISTRY:
             raise ValueError(f"a pass named {name!r} is already registered")
         if not name.isidentifier():
             raise ValueError(f"pass names are identifiers; {name!r} is not")
-        _REGISTRY[name] = f
+        _REGISTRY[name] = _Registered(f, options, retry_before)
         return f
 
     return add(fn) if fn is not None else add
@@ -151,6 +173,19 @@ def parse_pipeline(pipeline: str | Sequence[str] | None) -> tuple[str, ...]:
     if unknown:
         raise ValueError(f"unknown pass(es) {unknown}; registered passes are {sorted(_REGISTRY)}")
     return tuple(names)
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    """Every pass option names a pass that takes options and one of its fields, with a value it takes
+    (a misspelt key was ignored: the option silently did nothing)."""
+    _load_builtin_passes()
+    readers = {name: entry.options for name, entry in _REGISTRY.items() if entry.options is not None}
+    for key in options:
+        if not isinstance(key, str) or key.split(".", 1)[0] not in readers or "." not in key:
+            raise ValueError(f"unknown pass option {key!r}: options are named '<pass>.<option>' for the passes "
+                             f"{', '.join(sorted(readers))} (e.g. 'chunk.counts'); each pass's module documents its own")
+    for name in sorted(readers):
+        readers[name](options)  # an unknown field, or a value of the wrong type, raises naming the valid ones
 
 
 def pass_options(cls: type[T], prefix: str, options: Mapping[str, Any]) -> T:
@@ -498,7 +533,7 @@ class PassManager:
         # memplan's own passes that could lower a peak and are not in the pipeline (arena only places
         # what is live)
         missing = [name for name in sorted(_REGISTRY) if name not in self.passes and name != "arena"
-                   and getattr(_REGISTRY[name], "__module__", "").startswith("memplan.passes.")]
+                   and getattr(_REGISTRY[name].fn, "__module__", "").startswith("memplan.passes.")]
         raise InfeasibleBudgetError(
             f"no plan of the pipeline {','.join(self.passes) or '(empty)'} fits the budget of "
             f"{format_bytes(budget)}: the smallest peak its plans reach is {format_bytes(smallest)}"
@@ -516,21 +551,22 @@ class PassManager:
         The first rung is the plan with no extra compute (``max_overhead=0``). Each later rung is the
         plan for a budget of :data:`LADDER_STEP` times the lowest peak so far: its passes first choose
         with ``when_over="overhead"`` (a later pass may reach the budget), then, if the pipeline misses
-        it, with ``when_over="lowest"``, and if that misses it too, with ``timesteps`` run before
-        ``remat`` (the lower of the two is the rung): remat's lowest plan on its own may recompute an
-        unrolled loop's states all at once, which leaves timesteps no saved step to checkpoint
-        (``nn.LSTMCell`` unrolled). The ladder ends at a rung that misses its budget (kept when it
-        is still lower than every rung before it). Nothing here reads the policy's budget, so for any
-        budget the first rung that fits is the same walk cut short. The price: a budget just below a
-        rung gets the next one, whose peak (and compute) may be lower than the budget needs. Rungs are
-        built lazily, one pipeline run or two each, from copies of ``graph``. After the last rung comes the
-        plan without a budget (at the policy's ``max_overhead``) when its peak is lower still, so a budget
-        that the unbudgeted plan meets is never refused. ``known``: as for :meth:`run`.
+        it, with ``when_over="lowest"``, and if that misses it too, with each pass run just before the
+        one it registered ``retry_before=`` (the lower of the two is the rung): ``timesteps`` before
+        ``remat``, since remat's lowest plan on its own may recompute an unrolled loop's states all at
+        once, which leaves timesteps no saved step to checkpoint (``nn.LSTMCell`` unrolled). The ladder
+        ends at a rung that misses its budget (kept when it is still lower than every rung before it).
+        Nothing here reads the policy's budget, so for any budget the first rung that fits is the same
+        walk cut short. The price: a budget just below a rung gets the next one, whose peak (and compute)
+        may be lower than the budget needs. Rungs are built lazily, one pipeline run or two each, from
+        copies of ``graph``. After the last rung comes the plan without a budget (at the policy's
+        ``max_overhead``) when its peak is lower still, so a budget that the unbudgeted plan meets is never
+        refused. ``known``: as for :meth:`run`.
         """
         result = self._run(copy_graph(graph), dataclasses.replace(self.policy, budget=None, max_overhead=0.0), known, pristine=graph)
         lowest = _step_peak(result)
         yield result, lowest
-        loops_first = self._loops_first()
+        retry_order = self._retry_order()
         while True:
             target = int(lowest * LADDER_STEP)
             result = self._run(copy_graph(graph), dataclasses.replace(self.policy, budget=target, when_over="overhead"), known, pristine=graph)
@@ -539,10 +575,10 @@ class PassManager:
                 lowest_policy = dataclasses.replace(self.policy, budget=target, when_over="lowest")
                 result = self._run(copy_graph(graph), lowest_policy, known, pristine=graph)
                 peak = _step_peak(result)
-                if peak > target and loops_first is not None:
-                    # Recomputing an unrolled loop's states all at once (remat's lowest plan on its own)
-                    # leaves timesteps no saved step to checkpoint; the loops checkpointed first may go lower.
-                    other = self._run(copy_graph(graph), lowest_policy, known, passes=loops_first, pristine=graph)
+                if peak > target and retry_order is not None:
+                    # A pass run after the one it registered retry_before= may find less to gain there
+                    # (remat's lowest plan leaves timesteps no saved step to checkpoint): before it may go lower.
+                    other = self._run(copy_graph(graph), lowest_policy, known, passes=retry_order, pristine=graph)
                     other_peak = _step_peak(other)
                     if other_peak < peak:
                         result, peak = other, other_peak
@@ -560,15 +596,17 @@ class PassManager:
         if peak < lowest:
             yield result, peak
 
-    def _loops_first(self) -> tuple[str, ...] | None:
-        """The pipeline with ``timesteps`` moved just before ``remat`` (None when it does not run after it)."""
-        if "remat" not in self.passes or "timesteps" not in self.passes:
-            return None
-        if self.passes.index("timesteps") < self.passes.index("remat"):
-            return None
-        order = [name for name in self.passes if name != "timesteps"]
-        order.insert(order.index("remat"), "timesteps")
-        return tuple(order)
+    def _retry_order(self) -> tuple[str, ...] | None:
+        """The pipeline with each pass that runs after the pass it registered ``retry_before=`` moved just
+        before that pass (None when no pass does)."""
+        order = list(self.passes)
+        for name in dict.fromkeys(self.passes):
+            other = _REGISTRY[name].retry_before
+            if other is None or other not in order or order.index(name) < order.index(other):
+                continue
+            order = [n for n in order if n != name]
+            order.insert(order.index(other), name)
+        return tuple(order) if order != list(self.passes) else None
 
     def _run(self, graph: CapturedGraph, policy: Policy, known: Mapping[type, Any] | None = None,
              passes: Sequence[str] | None = None, pristine: CapturedGraph | None = None) -> PipelineResult:
@@ -634,7 +672,7 @@ class PassManager:
             ctx = PassContext(am=am, policy=policy, options=self.options)
             start = time.perf_counter()
             try:
-                result = _REGISTRY[name](graph, ctx)
+                result = _REGISTRY[name].fn(graph, ctx)
             except Exception as exc:
                 what = f"raised {type(exc).__name__}" + (f": {exc}" if str(exc) else "")
                 # a budget no plan meets, or memory running out, is not the pass's bug to leave out
@@ -838,7 +876,7 @@ def _holders(result: PipelineResult | None, top: int = 3) -> tuple[str, ...]:
     user's line: what keeps the smallest reachable peak where it is."""
     if result is None:
         return ()
-    explanation = MemoryAnalysis.from_graph(result.graph, result.graph_analyses()).explain(top=top)
+    explanation = explain_peak(result.graph, result.graph_analyses(), top=top)
     return tuple(
         f"{format_bytes(row.nbytes)} of `{row.op}` ({row.reason}" + (f", {row.source}" if row.source else "") + ")"
         for row in explanation.tensors

@@ -46,6 +46,7 @@ from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph
 from memplan.emit import run_inference, run_training
+from memplan.equivalence import assert_equivalent
 from memplan.errors import MemplanError, PassError, PassRolledBackWarning, VerificationWarning
 from memplan.graphutil import mutated_args
 from memplan.measure import format_bytes
@@ -75,8 +76,6 @@ def first_difference(expected: Sequence[tuple[str, Any]], actual: Sequence[Any],
     ...                  [torch.ones(2), torch.zeros(2)])  # doctest: +ELLIPSIS
     'gradient of w differs: 2 of 2 elements differ by more than ...'
     """
-    from memplan.testing import assert_equivalent
-
     if len(expected) != len(actual):
         return f"eager gives {len(expected)} values where the plan gives {len(actual)}"
     families: dict[str, list[int]] = {}

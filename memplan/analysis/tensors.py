@@ -17,7 +17,7 @@ import torch.fx
 from memplan.analysis.manager import Analysis, AnalysisManager
 from memplan.capture import CapturedGraph
 
-__all__ = ["TensorInfo", "StorageInfo", "Tensors", "tensor_values"]
+__all__ = ["TensorInfo", "StorageInfo", "Tensors", "tensor_values", "parameter_bytes"]
 
 
 class TensorInfo(NamedTuple):
@@ -145,3 +145,17 @@ class Tensors(Analysis):
         """The first (usually only) tensor of a node."""
         infos = self.tensors.get(name)
         return infos[0] if infos else None
+
+
+def parameter_bytes(graph: CapturedGraph) -> int:
+    """Bytes of the parameters and buffers the graph reads (they exist before a step)."""
+    tensors = AnalysisManager(graph).get(Tensors)
+    seen: set[int] = set()
+    total = 0
+    for spec in graph.inputs:
+        if spec.kind in ("parameter", "buffer"):
+            for sid in tensors.storages_of(spec.node):
+                if sid not in seen:
+                    seen.add(sid)
+                    total += tensors.storages[sid].nbytes
+    return total

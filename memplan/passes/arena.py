@@ -276,7 +276,7 @@ def plan_arena(graph: CapturedGraph, am: AnalysisManager, options: ArenaOptions 
     )
 
 
-@register_pass("arena")
+@register_pass("arena", options=ArenaOptions.from_mapping)
 def arena(graph: CapturedGraph, ctx: PassContext) -> PassResult:
     """Plan static offsets and attach the plan to the record; the graph is left as it is."""
     options = ArenaOptions.from_mapping(ctx.options)

@@ -1981,7 +1981,7 @@ def _latest_of_equals(candidates: Sequence[Candidate], best: Candidate, position
     return max(equal, key=lambda c: (max((position[n] for n, _ in c.plan.forward), default=-1), c.label))
 
 
-@register_pass("chunk")
+@register_pass("chunk", options=ChunkOptions.from_options)
 def chunk(graph: CapturedGraph, ctx: PassContext) -> PassResult:
     """Run regions whose huge intermediates are reduced or sliced away in chunks (see the module docstring)."""
     plan, new = _plan(graph, ctx.policy, ctx.options, ctx.am)

@@ -599,7 +599,7 @@ def _written_between(writes: Mapping[StorageWeakRef, list[int]], node: Any, star
 # the pass
 
 
-@register_pass("inplace")
+@register_pass("inplace", options=InplaceOptions.from_mapping)
 def inplace(graph: CapturedGraph, ctx: PassContext) -> PassResult:
     """Rewrite pointwise ops to write into dead inputs (see the module docstring)."""
     options = InplaceOptions.from_mapping(ctx.options)

@@ -2106,7 +2106,7 @@ def pareto_front(candidates: Sequence[Candidate[RematPlan]]) -> list[Candidate[R
 # the pass
 
 
-@register_pass("remat")
+@register_pass("remat", options=RematOptions.from_mapping)
 def remat(graph: CapturedGraph, ctx: PassContext) -> PassResult:
     """Recompute cheap forward tensors in the backward instead of saving them (see the module docstring)."""
     if not graph.training:

@@ -625,7 +625,9 @@ def plan_timesteps(
 # the pass
 
 
-@register_pass("timesteps")
+# retry_before: remat's lowest plan on its own may recompute an unrolled loop's states all at once, which
+# leaves this pass no saved step to checkpoint; a budget that misses it is planned with this pass first too.
+@register_pass("timesteps", options=TimestepOptions.from_mapping, retry_before="remat")
 def timesteps(graph: CapturedGraph, ctx: PassContext) -> PassResult:
     """Checkpoint the steps of unrolled loops on the schedule the policy picks (see the module docstring)."""
     if not graph.training:

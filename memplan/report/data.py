@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from memplan.analysis.autograd import SavedForBackward
 from memplan.analysis.liveness import Liveness
 from memplan.analysis.manager import AnalysisManager
-from memplan.analysis.memory import Explanation, MemoryAnalysis
+from memplan.analysis.explain import Explanation, explain_peak
 from memplan.analysis.peak import PeakSimulation
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph, Phase
@@ -31,7 +31,7 @@ class Timeline:
     label: str
     steps: tuple[str, ...]  # node names
     phases: tuple[str, ...]
-    series: dict[str, tuple[int, ...]]  # category -> bytes per step
+    series: dict[str, tuple[int, ...]]  # category -> bytes per step, in the order of CATEGORIES
     peak: int
     peak_index: int
 
@@ -236,6 +236,6 @@ def build_report(
         after=_timeline(after, "memplan plan", parameter_bytes) if after is not None else None,
         graph=_graph_view(after if after is not None else before, max_graph_nodes),
         passes=_pass_rows(records),
-        explain_before=MemoryAnalysis.from_graph(before).explain(),
-        explain_after=MemoryAnalysis.from_graph(after).explain() if after is not None else None,
+        explain_before=explain_peak(before),
+        explain_after=explain_peak(after) if after is not None else None,
     )

@@ -3,6 +3,9 @@
 No scripts, no fonts, no network: inline CSS and SVG only, so the file opens anywhere and can be
 attached to an issue. Every string that comes from the user's model (names, source lines, notes) is
 escaped. Hover a box or a band for details (SVG ``<title>`` tooltips).
+
+The renderer reads the report's fields and imports nothing from :mod:`memplan.report.data`, whose
+``MemoryReport.save_html`` calls it: a timeline's bands stack in the order of its series (bottom to top).
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ import math
 import zlib
 
 from memplan.measure import format_bytes
-from memplan.report.data import CATEGORIES, GraphView, MemoryReport, Timeline
 
 __all__ = ["render_html"]
 
@@ -52,7 +54,7 @@ def _downsample(values: list[int], buckets: int) -> list[int]:
     return [max(values[int(i * size) : max(int((i + 1) * size), int(i * size) + 1)]) for i in range(buckets)]
 
 
-def _timeline_svg(timeline: Timeline, scale_max: int, width: int = 1100, height: int = 260) -> str:
+def _timeline_svg(timeline, scale_max: int, width: int = 1100, height: int = 260) -> str:
     n = len(timeline.steps)
     if n == 0:
         return "<p class='muted'>empty graph</p>"
@@ -60,7 +62,7 @@ def _timeline_svg(timeline: Timeline, scale_max: int, width: int = 1100, height:
     stacked: list[list[int]] = []
     base = [0] * buckets
     layers = []
-    for cat in CATEGORIES:
+    for cat in timeline.series:
         values = _downsample(list(timeline.series[cat]), buckets)
         top = [b + v for b, v in zip(base, values)]
         layers.append((cat, list(base), top))
@@ -118,7 +120,7 @@ def _storage_colour(storage: int | None) -> str:
     return f"hsl({hue},60%,62%)"
 
 
-def _graph_svg(view: GraphView, width: int = 1100) -> str:
+def _graph_svg(view, width: int = 1100) -> str:
     groups = view.groups
     if not groups:
         return "<p class='muted'>no ops</p>"
@@ -173,7 +175,7 @@ def _explain_table(explanation) -> str:
     )
 
 
-def render_html(report: MemoryReport) -> str:
+def render_html(report) -> str:
     """The report as one HTML document (a string)."""
     params = report.parameter_bytes
     before_total = report.before.peak + params
@@ -185,7 +187,7 @@ def render_html(report: MemoryReport) -> str:
         )
     headline += f" on top of {format_bytes(params)} of parameters" if params else ""
     scale = max(before_total, (report.after.peak + params) if report.after is not None else 0)
-    legend = "".join(f"<span><i style='background:{COLOURS[c]}'></i>{_e(c)}</span>" for c in CATEGORIES)
+    legend = "".join(f"<span><i style='background:{COLOURS[c]}'></i>{_e(c)}</span>" for c in report.before.series)
     sections = [
         f"<h1>{_e(report.title)}</h1>",
         f"<p class='headline'>{_e(headline)}</p>",

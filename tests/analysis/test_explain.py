@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 import memplan.examples as examples
-from memplan.analysis.memory import analyze
+from memplan.analyze import analyze
 
 
 def test_broadcast_matmul_explanation_points_at_the_expanded_weight_copy():

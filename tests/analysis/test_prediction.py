@@ -6,7 +6,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import memplan.examples as examples
-from memplan.analysis.memory import analyze
+from memplan.analyze import analyze
 from memplan.measure import measure
 from memplan.steps import step_fn
 from memplan.testing import random_model, zoo

@@ -1,0 +1,93 @@
+"""``memplan.analyze``: where memory goes in a model, predicted before anything big runs.
+
+The result bundles the captured graph with its analyses (tensors, liveness, saved-for-backward and the
+simulated timeline) and explains the peak (:mod:`memplan.analysis.explain`): the tensors alive there,
+largest first, each with the op that made it, the user's source line, and why it is still alive. It
+sits above the analyses and the report, as :mod:`memplan.api` does, since it hands out both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from memplan.analysis.autograd import SavedForBackward
+from memplan.analysis.explain import Explanation, explain_peak
+from memplan.analysis.liveness import Liveness
+from memplan.analysis.manager import AnalysisManager
+from memplan.analysis.peak import PeakSimulation, SimEvent
+from memplan.analysis.tensors import Tensors, parameter_bytes
+from memplan.capture import CapturedGraph, capture
+from memplan.measure import format_bytes
+from memplan.report.data import build_report
+
+__all__ = ["analyze", "MemoryAnalysis"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryAnalysis:
+    """What :func:`analyze` found: the captured graph, its analyses and the predicted peak."""
+
+    graph: CapturedGraph
+    tensors: Tensors
+    liveness: Liveness
+    saved: SavedForBackward
+    simulation: PeakSimulation
+
+    @property
+    def peak(self) -> int:
+        """Predicted peak bytes allocated during one call (inputs and parameters excluded)."""
+        return self.simulation.peak
+
+    @property
+    def timeline(self) -> tuple[SimEvent, ...]:
+        return self.simulation.timeline
+
+    @property
+    def saved_for_backward(self) -> dict[str, int]:
+        """Forward node name -> bytes it keeps for the backward."""
+        return {s.node: s.nbytes for s in self.saved.saved.values()}
+
+    @classmethod
+    def from_graph(cls, graph: CapturedGraph, am: AnalysisManager | None = None) -> "MemoryAnalysis":
+        am = am or AnalysisManager(graph)
+        return cls(graph, am.get(Tensors), am.get(Liveness), am.get(SavedForBackward), am.get(PeakSimulation))
+
+    def __repr__(self) -> str:
+        mode = "training" if self.graph.training else "inference"
+        n = sum(1 for _ in self.graph.gm.graph.nodes)
+        return (
+            f"MemoryAnalysis({mode}, {n} nodes, predicted peak {format_bytes(self.peak)}, "
+            f"saved for backward {format_bytes(self.saved.nbytes)})"
+        )
+
+    def report(self, title: str = "memplan analysis"):
+        """The memory report of the model as written; ``.save_html(path)`` writes it."""
+        return build_report(self.graph, title=title, parameter_bytes=parameter_bytes(self.graph))
+
+    def explain(self, top: int = 10) -> Explanation:
+        """The tensors alive at the peak, largest first, with why each is alive."""
+        known = {Tensors: self.tensors, Liveness: self.liveness, SavedForBackward: self.saved,
+                 PeakSimulation: self.simulation}
+        return explain_peak(self.graph, AnalysisManager(self.graph, known), top)
+
+
+def analyze(
+    model: nn.Module | Callable[..., Any], *inputs: Any, train: bool | None = None, **kwargs: Any
+) -> MemoryAnalysis:
+    """Predict where memory goes in one call of ``model(*inputs)``, without running it for real.
+
+    Training mode (the default when something requires grad) covers forward and the backward of
+    ``sum(out.sum())``, exactly ``model(*inputs).sum().backward()``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> a = analyze(torch.nn.Linear(256, 256), torch.randn(64, 256), train=False)
+    >>> a.peak  # the (64, 256) float32 output
+    65536
+    """
+    return MemoryAnalysis.from_graph(capture(model, *inputs, train=train, **kwargs))
