@@ -153,6 +153,10 @@ class OutputSpec:
     # its tangent must reach the backward dense: the backward fails on a broadcast scalar (view_as_complex,
     # the backward of a view_as_real output, needs unit stride)
     dense_tangent: bool = False
+    # ... unless every tangent arrives as a broadcast scalar (what sum(out.sum()) sends): the backward
+    # takes them all at once, where it refused this one alone beside dense others (an add of two of them
+    # laid out after the dense one, then viewed)
+    broadcast_together: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -586,8 +590,9 @@ def capture(
             tangents = _tangent_placeholders(tracer, diff)
             tag_backward(diff)
             torch.autograd.backward(diff, tangents)
-            relaid, dense = _relaid_by_broadcast_tangents(tracer, tangents, grad_inputs)
+            relaid, dense, together = _relaid_by_broadcast_tangents(tracer, tangents, grad_inputs)
             out_spec_box["dense_tangents"] = dense
+            out_spec_box["broadcast_together"] = together
         _check_constants(model, tracer)  # what the backward alone reads
         # AccumulateGrad copies a gradient that breaks its leaf's layout contract. Make that copy inside
         # the graph, where the plan sees it, so autograd takes ours as it is: where the trace breaks the
@@ -669,6 +674,7 @@ def capture(
         recorded_sources=recorder.sources,
         differentiable=out_spec_box["differentiable"],
         dense_tangents=out_spec_box.get("dense_tangents", set()),
+        broadcast_together=out_spec_box.get("broadcast_together", False),
     )
     _refuse_random_recomputation(captured)
     return captured
@@ -940,7 +946,7 @@ def _is_dense(tensor: torch.Tensor) -> bool:
 
 
 def _relaid_by_broadcast_tangents(tracer: Tracer, tangents: list[torch.Tensor],
-                                   leaves: list[torch.Tensor]) -> tuple[set[int], set[int]]:
+                                   leaves: list[torch.Tensor]) -> tuple[set[int], set[int], bool]:
     """Positions of the ``leaves`` whose gradient breaks the leaf's layout contract when tangents arrive as
     broadcast scalars, though it keeps it in the trace; and positions of the tangents that cannot arrive
     as broadcast scalars at all (some backward op refuses the layout: ``view_as_complex``, the backward
@@ -954,6 +960,12 @@ def _relaid_by_broadcast_tangents(tracer: Tracer, tangents: list[torch.Tensor],
     ops whose inputs change strides, with each tangent broadcast alone, and with all of them broadcast
     where an op reads values that two tangents change (with three or more tangents, broadcasting some
     but not all is not examined).
+
+    Third, whether the tangents that must arrive dense may stay broadcast when every tangent arrives
+    broadcast (what ``sum(out.sum())`` sends): an op may refuse one broadcast tangent beside a dense
+    one and take all of them broadcast. Counterexample: ``y`` and ``y.transpose(1, 2)`` returned, their
+    tangents added and viewed; beside a dense tangent the sum is laid out transposed and cannot be
+    viewed, so one tangent arrived dense, a copy of a whole output eager never makes.
     """
     graph = tracer.graph
     tangent_nodes = [tracer.node_of(t) for t in tangents]
@@ -973,12 +985,18 @@ def _relaid_by_broadcast_tangents(tracer: Tracer, tangents: list[torch.Tensor],
             scenarios = []
         else:
             scenarios.append(values)
+    together = False
+    if dense and len(tangent_nodes) > 1:
+        values = _restrided_values(tracer, tangent_nodes)
+        if values is not None:
+            together = True
+            scenarios.append(values)
     relaid: set[int] = set()
     for values in scenarios:
         for i, node in grad_nodes.items():
             if node in values and not _keeps_layout_contract(values[node], leaves[i]):
                 relaid.add(i)
-    return relaid, dense
+    return relaid, dense, together
 
 
 def _meet(graph: torch.fx.Graph, scenarios: list[dict[torch.fx.Node, Any]]) -> bool:
@@ -1529,6 +1547,7 @@ def _build_captured(
     differentiable: Sequence[bool],
     recorded_sources: Mapping[str, SourceLine],
     dense_tangents: AbstractSet[int] = frozenset(),
+    broadcast_together: bool = False,
 ) -> CapturedGraph:
     dropped = _drop_aliases(gm, boundary)
     boundary = dropped.get(boundary, boundary) if boundary is not None else None
@@ -1594,8 +1613,9 @@ def _build_captured(
     for i, value in enumerate(flat_outputs):
         node_name = value.name if isinstance(value, torch.fx.Node) else None
         if i < n_model_outputs:
+            dense = tangent_of.get(i) in dense_tangents
             outputs.append(OutputSpec(node_name, "output", f"out[{i}]", bool(train and differentiable[i]),
-                                      tangent_of.get(i) in dense_tangents))
+                                      dense, dense and broadcast_together))
         else:
             outputs.append(OutputSpec(node_name, "grad", grad_paths[i - n_model_outputs]))
 

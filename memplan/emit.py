@@ -74,6 +74,8 @@ class Emitted:
     plain_saved: tuple[int, ...]
     tangents: tuple[tuple[torch.Size, torch.dtype, torch.device], ...]  # per differentiable output
     dense_tangents: tuple[bool, ...]  # per differentiable output: its tangent must reach the backward dense
+    # per differentiable output: ... unless every tangent arrives as a broadcast scalar (see OutputSpec)
+    broadcast_together: tuple[bool, ...]
     # per gradient the backward returns: the tangents (bit j: the j-th differentiable output's) it reads
     # through any op; with none of them sent, autograd gives the input no gradient (None), not zeros
     grad_tangents: tuple[int, ...]
@@ -313,6 +315,7 @@ def emit(graph: CapturedGraph) -> Emitted:
                           if not (n.meta.get("val") is None or isinstance(n.meta.get("val"), torch.Tensor))),
         tangents=tuple((t.shape, t.dtype, t.device) for t in tangents),
         dense_tangents=tuple(model_outputs[i].dense_tangent for i in differentiable),
+        broadcast_together=tuple(model_outputs[i].broadcast_together for i in differentiable),
         read_inside=frozenset(i for i in differentiable if isinstance(flat_output_args[i], torch.fx.Node)
                               and any(u.op != "output" and u in forward for u in flat_output_args[i].users)),
         grad_tangents=_tangent_masks([n for n in nodes if n not in forward], [n for n in placeholders if n.name in tangent_names],
@@ -409,9 +412,14 @@ class PlanFunction(torch.autograd.Function):
         # Autograd would keep its copies until this whole backward returns; drop them now (unless the
         # graph is retained), so the boxed backward frees each saved tensor at its last use.
         ctx.maybe_clear_saved_tensors()
-        for i, (shape, dtype, device), dense in zip(emitted.differentiable, emitted.tangents, emitted.dense_tangents):
+        # every tangent a broadcast scalar (or absent): the backward may take them so where it refuses one
+        # alone (OutputSpec.broadcast_together)
+        broadcast = grad_outputs is None or all(grad_outputs[i] is None or _is_broadcast_scalar(grad_outputs[i])
+                                                for i in emitted.differentiable)
+        for i, (shape, dtype, device), dense, together in zip(emitted.differentiable, emitted.tangents,
+                                                              emitted.dense_tangents, emitted.broadcast_together):
             grad = grad_outputs[i] if grad_outputs is not None else None
-            if dense:  # the backward refuses a broadcast scalar here (see OutputSpec.dense_tangent)
+            if dense and not (together and broadcast):  # the backward refuses a broadcast scalar here
                 args.append(torch.zeros(shape, dtype=dtype, device=device) if grad is None else grad.contiguous())
             else:
                 args.append(torch.zeros((), dtype=dtype, device=device).expand(shape) if grad is None
@@ -958,6 +966,11 @@ def _qualified_name(operator: torch._ops.OpOverload) -> str:
     return _get_qualified_name(operator)
 
 
+def _is_broadcast_scalar(grad: torch.Tensor) -> bool:
+    """Every stride 0: one element seen at every index (``out.sum()``'s gradient)."""
+    return all(stride == 0 for stride in grad.stride())
+
+
 def _as_traced_layout(grad: torch.Tensor) -> torch.Tensor:
     """A tangent the backward module can read.
 
@@ -965,7 +978,7 @@ def _as_traced_layout(grad: torch.Tensor) -> torch.Tensor:
     ``.mean()`` send) supports every view a dense tensor does, so it passes as is and costs nothing;
     any other non-dense layout is made dense first, as view ops may not accept it.
     """
-    if grad.is_contiguous() or all(stride == 0 for stride in grad.stride()):
+    if grad.is_contiguous() or _is_broadcast_scalar(grad):
         return grad
     return grad.contiguous()
 

@@ -298,8 +298,8 @@ def test_structural_programs_pass_the_oracle(seed):
 # gradient cancels from terms ten times its size, and rounds further than the derived tolerance in
 # eager itself, so assert_equivalent asks the float64 arbiter; 5289 raised in capture; 5592's leaf
 # gradient left a rewrite laid out unlike the leaf; 1145's loop summed zeros a write outside it had
-# not yet filled).
-FOUND_SEEDS = (63, 108, 300, 414, 471, 1145, 5243, 5289, 5592)
+# not yet filled; 1281 made a tangent dense that the backward takes broadcast with the others).
+FOUND_SEEDS = (63, 108, 300, 414, 471, 1145, 1281, 5243, 5289, 5592)
 
 
 @pytest.mark.parametrize("seed", FOUND_SEEDS)
