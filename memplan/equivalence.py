@@ -153,8 +153,8 @@ def assert_equivalent(
     the gradient it makes) rounds further than that in eager itself. Where the bound refuses a
     floating point tensor, the original runs once more in float64 (a deep copy, the same seed, the
     same upstream gradient), and the optimized tensor passes if it is no further from that run than
-    twice the original's own largest distance from it, while the original is within 1% of the float64
-    run's scale (so the float64 run stands for the exact result). NaN and infinities are never
+    twice the original's own largest distance from it plus the derived tolerance, while the original
+    is within 1% of the float64 run's scale (so the float64 run stands for the exact result). NaN and infinities are never
     arbitrated; the message of a refusal gives both distances. Explicit ``rtol``/``atol`` and
     ``exact=True`` have no arbiter.
 
@@ -263,10 +263,13 @@ def _judged(check: "_Check", what: str, a: torch.Tensor, b: torch.Tensor,
     The derived tolerance assumes a sum's partial sums stay within the scale of its result. A
     gradient that cancels from larger terms (a softmax's backward over squared distances of 100 beside
     a result of 10) rounds further than that in eager itself. So ``b`` is also accepted when it is no
-    further from the original run in float64 than twice the original's own largest distance from it
-    (the largest rounding error over a tensor varies by well under 2x between two summation orders),
-    provided the original is within 1% of the float64 result's scale there (otherwise the float64 run
-    does not stand for the exact result: an ill-conditioned model, or random draws that differ)."""
+    further from the original run in float64 than twice the original's own largest distance from it,
+    plus the derived tolerance: rounding as far as eager does (twice, as the largest error over a
+    tensor is a maximum over its elements, which moves from one summation order to another), and the
+    plan's reordering of its sums on top. Only where the original is within 1% of the float64 result's
+    scale (otherwise the float64 run does not stand for the exact result: an ill-conditioned model, or
+    random draws that differ). Counterexample of the factor alone: seed 7552 of the structural fuzzer,
+    a chunked softmax over L1 distances, 2.01x eager's distance from float64 (3.2e-5 on values of 2)."""
     try:
         check(what, a, b)
         return
@@ -280,12 +283,13 @@ def _judged(check: "_Check", what: str, a: torch.Tensor, b: torch.Tensor,
         eager = float((a.double() - ref).abs().max()) if a.numel() else 0.0
         plan = float((b.double() - ref).abs().max()) if b.numel() else 0.0
         scale = float(ref.abs().max()) if ref.numel() else 0.0
-        if eager <= 1e-2 * scale and plan <= _ARBITER_FACTOR * eager:
+        tolerance = check.tolerance(a)[0]
+        if eager <= 1e-2 * scale and plan <= _ARBITER_FACTOR * eager + tolerance:
             return
         raise AssertionError(
             f"{refused}\nAgainst the original run in float64: the original is {eager:.4g} from it, the optimized "
-            f"model {plan:.4g} (allowed: {_ARBITER_FACTOR:g}x the original's, where the original is within 1% "
-            f"of the float64 scale {scale:.4g})."
+            f"model {plan:.4g} (allowed: {_ARBITER_FACTOR:g}x the original's plus {tolerance:.4g}, where the "
+            f"original is within 1% of the float64 scale {scale:.4g})."
         ) from None
 
 

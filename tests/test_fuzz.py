@@ -298,12 +298,14 @@ def test_structural_programs_pass_the_oracle(seed):
 # gradient cancels from terms ten times its size, and rounds further than the derived tolerance in
 # eager itself, so assert_equivalent asks the float64 arbiter; 5289 raised in capture; 5592's leaf
 # gradient left a rewrite laid out unlike the leaf; 1145's loop summed zeros a write outside it had
-# not yet filled; 1281 made a tangent dense that the backward takes broadcast with the others).
-FOUND_SEEDS = (63, 108, 300, 414, 471, 1145, 1281, 5243, 5289, 5592)
+# not yet filled, and 7349's after attention; 1281 made a tangent dense that the backward takes
+# broadcast with the others; 7552's chunked softmax over distances, under a budget, came out 2.01x
+# eager's distance from float64, which the arbiter allows with the derived tolerance on top).
+FOUND_SEEDS = (63, 108, 300, 414, 471, 1145, 1281, 5243, 5289, 5592, 7349, 7552)
 
 
 @pytest.mark.parametrize("seed", FOUND_SEEDS)
 def test_programs_found_by_long_runs_pass_the_oracle_and_are_predicted_within_5_percent(seed):
     model, inputs = structural_program(seed)
-    findings = check_program(model, inputs, checks=FAST_CHECKS)
+    findings = check_program(model, inputs)
     assert not findings, "\n".join(str(f) for f in findings)
