@@ -309,3 +309,16 @@ def test_programs_found_by_long_runs_pass_the_oracle_and_are_predicted_within_5_
     model, inputs = structural_program(seed)
     findings = check_program(model, inputs)
     assert not findings, "\n".join(str(f) for f in findings)
+
+
+# Programs the long runs found whose float32 results are rounding noise, or amplify it past what any
+# comparison of two summation orders can judge: 5548's gradient through a cosine similarity's maximum
+# (1 on the diagonal) is zero in exact arithmetic; 3394 takes a layer norm of those maxima, which
+# multiplies their rounding by 300. They are skipped, not failed.
+FOUND_ILL_CONDITIONED = (3394, 5548)
+
+
+@pytest.mark.parametrize("seed", FOUND_ILL_CONDITIONED)
+def test_programs_that_amplify_rounding_are_skipped_as_ill_conditioned(seed):
+    model, inputs = structural_program(seed)
+    assert [f.kind for f in check_program(model, inputs)] == ["ill-conditioned"]
