@@ -144,7 +144,6 @@ from memplan.passes._chunk.loops import (
     replay_views,
     LoopSpec,
     body_graph,
-    body_peak,
     build_body,
     handed_over,
     loop_scratch,
@@ -1035,8 +1034,11 @@ def _make_loops(
                 if inner and length in inner:
                     built[length] = apply_chunk(body_graph(built[length]), inner[length], compile).gm
         bodies = {length: built[length] for length in lengths}
-        peaks = {length: body_peak(b) + held * length for length, b in bodies.items()}
-        scratch = loop_scratch(peaks.__getitem__, region.units, size, handed_over(bodies[min(size, region.units)], specs))
+        analyses = {length: AnalysisManager(body_graph(b)) for length, b in bodies.items()}  # peak and results share
+        peaks = {length: am.get(PeakSimulation).peak + held * length for length, am in analyses.items()}
+        first = min(size, region.units)
+        scratch = loop_scratch(peaks.__getitem__, region.units, size,
+                               handed_over(bodies[first], specs, analyses[first].get(Tensors)))
         spec = LoopSpec(region.units, size, loop_inputs, tuple(specs), scratch)
         loops[size] = ChunkLoop(spec, bodies)
     body_states = {node.name: states.get(node, REP) for node in nodes}
@@ -1680,21 +1682,20 @@ def _placeable(graph: CapturedGraph, region: ChunkRegion, tensors: Tensors) -> b
         for arg in node_of(name).all_input_nodes:
             if arg.name not in recomputed and position[arg] >= first and group.get(arg) != "backward":
                 contracted.add_edge(group.get(arg, arg), "backward")
-    for chain in _write_chains(graph, tensors, position, first, last):
-        for before, after in zip(chain, chain[1:]):
-            source, target = group.get(before, before), group.get(after, after)
-            if source is not target:
-                contracted.add_edge(source, target)
+    for before, after in _write_order(graph, tensors, position, first, last):
+        source, target = group.get(before, before), group.get(after, after)
+        if source is not target:
+            contracted.add_edge(source, target)
     return nx.is_directed_acyclic_graph(contracted)
 
 
-def _write_chains(graph: CapturedGraph, tensors: Tensors, position: Mapping[torch.fx.Node, int],
-                  first: int, last: int) -> Iterator[list[torch.fx.Node]]:
+def _write_order(graph: CapturedGraph, tensors: Tensors, position: Mapping[torch.fx.Node, int],
+                 first: int, last: int) -> Iterator[tuple[torch.fx.Node, torch.fx.Node]]:
     """Per storage written in place between positions ``first`` and ``last``, the order eager keeps
     between its writes and its other touchers there (the nodes aliasing it, and their readers), as
-    short chains: each toucher after the write before it and before the write after it, each write
-    after the one before (linear in the touchers, where every pair would be quadratic in a loop's
-    accumulations)."""
+    ``(before, after)`` edges: each toucher after the write before it and before the write after it,
+    each write after the one before (linear in the touchers, where every pair would be quadratic in a
+    loop's accumulations)."""
     written: dict[int, set[torch.fx.Node]] = {}
     for node in itertools.islice(graph.gm.graph.nodes, first, last + 1):
         if node.op == "call_function":
@@ -1712,21 +1713,22 @@ def _write_chains(graph: CapturedGraph, tensors: Tensors, position: Mapping[torc
         yield from _ordered_around_writes(inside, writers)
 
 
-def _ordered_around_writes(chain: list[torch.fx.Node], writers: set[torch.fx.Node]) -> Iterator[list[torch.fx.Node]]:
-    """Chains of two or three nodes tying each toucher of ``chain`` to the writes on either side of it:
+def _ordered_around_writes(touchers: list[torch.fx.Node],
+                           writers: set[torch.fx.Node]) -> Iterator[tuple[torch.fx.Node, torch.fx.Node]]:
+    """Edges tying each of ``touchers`` (in graph order) to the writes on either side of it:
     (toucher, next write), (previous write, toucher) and (write, next write)."""
     last_write = None
     pending: list[torch.fx.Node] = []  # touchers since the last write
-    for node in chain:
+    for node in touchers:
         if node in writers:
             for toucher in pending:
-                yield [toucher, node]
+                yield toucher, node
             if last_write is not None:
-                yield [last_write, node]
+                yield last_write, node
             last_write, pending = node, []
         else:
             if last_write is not None:
-                yield [last_write, node]
+                yield last_write, node
             pending.append(node)
 
 
