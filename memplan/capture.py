@@ -49,6 +49,7 @@ import enum
 import functools
 import gc
 import heapq
+import operator
 import os
 import linecache
 import re
@@ -590,13 +591,14 @@ def capture(
             tangents = _tangent_placeholders(tracer, diff)
             tag_backward(diff)
             torch.autograd.backward(diff, tangents)
-            relaid, dense, together = _relaid_by_broadcast_tangents(tracer, tangents, grad_inputs)
+            relaid, dense, together, broadcast = _relaid_by_broadcast_tangents(tracer, tangents, grad_inputs)
             out_spec_box["dense_tangents"] = dense
             out_spec_box["broadcast_together"] = together
+            out_spec_box["broadcast"] = broadcast
         _check_constants(model, tracer)  # what the backward alone reads
         # AccumulateGrad copies a gradient that breaks its leaf's layout contract. Make that copy inside
         # the graph, where the plan sees it, so autograd takes ours as it is: where the trace breaks the
-        # contract, and where a run breaks it when a tangent arrives as a broadcast scalar.
+        # contract, and where a run breaks it when the tangents arrive as broadcast scalars.
         return list(flat_out) + [_in_layout_of(t.grad, t, always=i in relaid) for i, t in enumerate(grad_inputs)]
 
     real_flat: list[torch.Tensor] = []
@@ -656,6 +658,7 @@ def capture(
             gc.enable()
         TRACING.release()
 
+    _reshapes_of_broadcast(gm, out_spec_box.get("broadcast", set()))
     # Step 5: read what the trace recorded, once.
     captured = _build_captured(
         gm,
@@ -945,27 +948,36 @@ def _is_dense(tensor: torch.Tensor) -> bool:
     return True
 
 
-def _relaid_by_broadcast_tangents(tracer: Tracer, tangents: list[torch.Tensor],
-                                   leaves: list[torch.Tensor]) -> tuple[set[int], set[int], bool]:
-    """Positions of the ``leaves`` whose gradient breaks the leaf's layout contract when tangents arrive as
-    broadcast scalars, though it keeps it in the trace; and positions of the tangents that cannot arrive
-    as broadcast scalars at all (some backward op refuses the layout: ``view_as_complex``, the backward
-    of a ``view_as_real`` output, needs unit stride, which eager's backward makes with a ``contiguous``
-    the trace recorded as a no-op). Those are made dense before the backward runs.
+def _relaid_by_broadcast_tangents(tracer: Tracer, tangents: list[torch.Tensor], leaves: list[torch.Tensor]
+                                   ) -> tuple[set[int], set[int], bool, set[str]]:
+    """What changes when the tangents arrive as ``out.sum()`` sends them, broadcast scalars (all strides zero),
+    rather than dense, as traced. :func:`memplan.emit.PlanFunction` passes a broadcast tangent on as it is,
+    since it costs nothing, and kernels lay out their outputs after their inputs' strides, so the values
+    computed from it may come out in other strides. They are found by re-running over fake values the
+    backward ops whose inputs change strides (:func:`_restrided_values`).
 
-    A run's tangent is dense, as traced, or a broadcast scalar (all strides zero: what ``out.sum()``
-    sends, and :func:`memplan.emit.PlanFunction` passes it on as it is, since it costs nothing). Kernels
-    lay out their outputs after their inputs' strides, so the gradients computed from a broadcast
-    tangent may come out in other strides. They are found by re-running over fake values the backward
-    ops whose inputs change strides, with each tangent broadcast alone, and with all of them broadcast
-    where an op reads values that two tangents change (with three or more tangents, broadcasting some
-    but not all is not examined).
-
-    Third, whether the tangents that must arrive dense may stay broadcast when every tangent arrives
-    broadcast (what ``sum(out.sum())`` sends): an op may refuse one broadcast tangent beside a dense
-    one and take all of them broadcast. Counterexample: ``y`` and ``y.transpose(1, 2)`` returned, their
-    tangents added and viewed; beside a dense tangent the sum is laid out transposed and cannot be
-    viewed, so one tangent arrived dense, a copy of a whole output eager never makes.
+    Returns
+    -------
+    relaid
+        Positions of the ``leaves`` whose gradient keeps the leaf's layout contract in the trace but breaks
+        it when the tangents arrive broadcast. Capture makes AccumulateGrad's copy of those in the graph, so
+        the plan counts it. Where only some tangents arrive broadcast (a loss that sums one output and
+        reads another densely) a gradient may break the contract too; AccumulateGrad copies it then, as
+        it does in eager, outside the plan's count.
+    dense
+        Positions of the tangents that cannot arrive broadcast alone: some backward op refuses the layout
+        (``view_as_complex``, the backward of a ``view_as_real`` output, needs unit stride, which eager's
+        backward makes with a ``contiguous`` the trace recorded as a no-op). Those are made dense before
+        the backward runs.
+    together
+        Whether the ``dense`` tangents may stay broadcast when every tangent arrives broadcast (what
+        ``sum(out.sum())`` sends): an op may refuse one broadcast tangent beside a dense one and take all
+        of them broadcast. Counterexample: ``y`` and ``y.transpose(1, 2)`` returned, their tangents added
+        and viewed; beside a dense tangent the sum is laid out transposed and cannot be viewed.
+    broadcast
+        Names of the nodes whose value is itself a broadcast scalar (all strides zero where the size is not
+        one) when the tangents arrive as ``sum(out.sum())`` sends them: a tangent and its views. See
+        :func:`_reshapes_of_broadcast`.
     """
     graph = tracer.graph
     tangent_nodes = [tracer.node_of(t) for t in tangents]
@@ -977,26 +989,29 @@ def _relaid_by_broadcast_tangents(tracer: Tracer, tangents: list[torch.Tensor],
             dense.add(j)
         else:
             scenarios.append(values)
+    # What sum(out.sum()) sends: every tangent broadcast, but for those that must arrive dense.
+    modeled: dict[torch.fx.Node, Any] = {}
+    for values in scenarios:
+        modeled.update(values)
     broadcastable = [node for j, node in enumerate(tangent_nodes) if j not in dense]
     if len(broadcastable) > 1 and _meet(graph, scenarios):
         values = _restrided_values(tracer, broadcastable)
         if values is None:  # each alone passes, not all at once: every one of them arrives dense
             dense.update(range(len(tangent_nodes)))
-            scenarios = []
-        else:
-            scenarios.append(values)
+            values = {}
+        modeled = values
     together = False
     if dense and len(tangent_nodes) > 1:
         values = _restrided_values(tracer, tangent_nodes)
         if values is not None:
             together = True
-            scenarios.append(values)
-    relaid: set[int] = set()
-    for values in scenarios:
-        for i, node in grad_nodes.items():
-            if node in values and not _keeps_layout_contract(values[node], leaves[i]):
-                relaid.add(i)
-    return relaid, dense, together
+            modeled = values
+    relaid = {i for i, node in grad_nodes.items()
+              if node in modeled and not _keeps_layout_contract(modeled[node], leaves[i])}
+    broadcast = {node.name for node, value in modeled.items()
+                 if isinstance(value, torch.Tensor) and all(stride == 0 or size == 1
+                                                            for size, stride in zip(value.shape, value.stride()))}
+    return relaid, dense, together, broadcast
 
 
 def _meet(graph: torch.fx.Graph, scenarios: list[dict[torch.fx.Node, Any]]) -> bool:
@@ -1013,6 +1028,51 @@ def _meet(graph: torch.fx.Graph, scenarios: list[dict[torch.fx.Node, Any]]) -> b
         if len(reads) > 1:
             return True
     return False
+
+
+def _reshapes_of_broadcast(gm: torch.fx.GraphModule, broadcast: AbstractSet[str]) -> None:
+    """Make the copies autograd's ``reshape`` recorded of a dense tangent's broadcast into ``reshape`` again.
+
+    ``reshape`` views its input where the strides allow and copies it where they do not; the trace,
+    over a dense tangent, recorded the copy (``clone`` then ``_unsafe_view``). Eager's ``out.sum()``
+    sends a broadcast scalar, which any shape views: ``x.unflatten(-1, (2, k)).sum(-1)`` returned as it
+    is, whose backward reshapes the expanded gradient, copies a whole gradient in the trace and nothing
+    in eager. Where the copied value is a broadcast scalar when the tangents arrive broadcast (names in
+    ``broadcast``), the pair becomes one ``aten.reshape``, which copies only where the run's strides
+    ask for it, as eager's does. Its fake value is a broadcast view of its input: the memory it is
+    counted for is what it costs when the tangents arrive as ``sum(out.sum())`` sends them, the step
+    memplan's predictions are made for (see :func:`memplan.analysis.peak.step_margin`). As any view,
+    passes never write into it, nor into its input while it lives.
+    """
+    if not broadcast:
+        return
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.target is not torch.ops.aten.clone.default or node.kwargs.get("memory_format") is not torch.contiguous_format:
+            continue
+        source = node.args[0]
+        users = list(node.users)
+        if (not isinstance(source, torch.fx.Node) or source.name not in broadcast or len(users) != 1
+                or users[0].target is not torch.ops.aten._unsafe_view.default):
+            continue
+        view, value = users[0], source.meta.get("val")
+        shape = view.meta.get("val").shape
+        view.target = torch.ops.aten.reshape.default
+        view.args = (source, view.args[1])
+        view.meta["val"] = value.as_strided(shape, [0] * len(shape), value.storage_offset())
+        gm.graph.erase_node(node)
+        view._rename("reshape")
+        changed = True
+        # the views of the copy viewed its storage: they view the broadcast one now
+        queue = [view]
+        while queue:
+            for user in queue.pop().users:
+                if is_view_op(user.target) or user.target is operator.getitem:
+                    args, kwargs = torch.fx.node.map_arg((user.args, user.kwargs), lambda arg: arg.meta.get("val"))
+                    user.meta["val"] = user.target(*args, **kwargs)
+                    queue.append(user)
+    if changed:
+        gm.recompile()
 
 
 def _restrided_values(tracer: Tracer, broadcast: list[torch.fx.Node]) -> dict[torch.fx.Node, Any] | None:

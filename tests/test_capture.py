@@ -348,6 +348,72 @@ def test_tangents_refused_broadcast_one_at_a_time_pass_broadcast_all_together():
         assert_equivalent(lambda: reference.grad, lambda: planned.grad, grad=False)
 
 
+def _steps_peaks(model, opt, x):
+    """The measured peaks of eager's and the plan's ``sum(out.sum())`` steps, and how far the plan's
+    prediction is from its measured peak (the loss's few bytes aside, see ``step_margin``)."""
+    step = step_fn(opt, (x,), train=True)
+    step()
+    planned, margin = measure(step).peak, step_margin(opt.plan.graph)
+    return measure(step_fn(model, (x,), train=True)).peak, planned, abs(opt.plan.planned_peak + margin - planned) <= margin
+
+
+class _PairSums(nn.Module):
+    """Sums of neighbouring pairs of a slice of the input's columns: ``unflatten`` then ``sum``."""
+
+    def forward(self, x):
+        return x[:, 1:33].unflatten(-1, (16, 2)).sum(-1).permute(1, 0)
+
+
+def test_a_reshape_of_a_broadcast_tangent_views_it_as_eager_does():
+    # the backward of unflatten reshapes the expanded gradient of the sum: over the trace's dense tangent
+    # a copy, over out.sum()'s broadcast one a view. The plan copied a whole gradient eager never makes:
+    # its step measured above eager's (found by the structural fuzzer, seeds 930, 4655, 6837, 7016, 7032,
+    # 7721)
+    model, x = _PairSums(), torch.randn(96, 64, requires_grad=True)
+    cg = capture(model, x, seed="tangents")
+    reshapes = [n for n in cg.gm.graph.nodes if n.target is torch.ops.aten.reshape.default]
+    assert reshapes and not any(n.target is torch.ops.aten._unsafe_view.default for n in cg.gm.graph.nodes)
+    opt = optimize(model)
+    assert_equivalent(model, opt, x)
+    eager, planned, predicted = _steps_peaks(model, opt, x)
+    assert planned <= eager
+    assert predicted
+    # a dense gradient of the output (any loss but a sum) reshapes with a copy, as eager's does
+    weight = torch.randn(16, 96)
+    reference, tried = x.detach().requires_grad_(), x.detach().requires_grad_()
+    (model(reference) * weight).sum().backward()
+    (opt(tried) * weight).sum().backward()
+    assert_equivalent(lambda: reference.grad, lambda: tried.grad, grad=False)
+
+
+class _AndItsTranspose(nn.Module):
+    """An input returned as it is, and transposed."""
+
+    def forward(self, x):
+        return x, x.transpose(-1, -2)
+
+
+def test_a_gradient_relaid_only_where_one_tangent_arrives_dense_is_not_copied():
+    # beside a dense tangent, a broadcast one makes the sum of the two follow the transpose, which breaks
+    # x's layout contract; sum(out.sum()) sends both broadcast, and their sum keeps it. The plan copied
+    # every gradient into x's layout, a copy eager does not make (found by the structural fuzzer, seeds
+    # 2279, 4826). Where a loss sends one dense tangent, autograd's own AccumulateGrad makes the copy.
+    model, x = _AndItsTranspose(), torch.randn(67, 128, requires_grad=True)
+    cg = capture(model, x, seed="tangents")
+    assert _returned_gradient(cg).target is not torch.ops.aten.copy_.default
+    opt = optimize(model)
+    assert_equivalent(model, opt, x)
+    eager, planned, predicted = _steps_peaks(model, opt, x)
+    assert planned <= eager
+    assert predicted
+    weight = torch.randn(128, 67)
+    reference, tried = x.detach().requires_grad_(), x.detach().requires_grad_()
+    (model(reference)[1] * weight).sum().backward()
+    (opt(tried)[1] * weight).sum().backward()
+    assert_equivalent(lambda: reference.grad, lambda: tried.grad, grad=False)
+    assert tried.grad.stride() == reference.grad.stride()
+
+
 # ----------------------------------------------------------------------------------------------
 # the tracer: make_fx's graph, made from a cache on repeated steps
 

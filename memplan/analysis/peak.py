@@ -127,7 +127,9 @@ def step_margin(graph: CapturedGraph) -> int:
     output's ``sum`` and the seed gradient that ``backward`` expands to the output's shape (one element
     each). Budgets are bytes allocated during a step as ``memplan.measure`` reports them, so candidates
     are compared with the budget including these. A user whose loss allocates more (a cross-entropy
-    over the outputs outside the model) should leave that much room in the budget.
+    over the outputs outside the model) should leave that much room in the budget: its gradients of the
+    outputs are dense, and where the backward reshapes one, a dense gradient is copied where a sum's
+    broadcast one is viewed (each such copy is at most an output's size).
 
     Examples
     --------
