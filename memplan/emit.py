@@ -370,6 +370,26 @@ class _Relay:
         self.given: dict[int, Any] = {}
 
 
+def _as_saved(value: torch.Tensor) -> torch.Tensor:
+    """``value`` as :class:`PlanFunction` hands it to autograd's saving: a view that does not require
+    grad as a detached alias of the same memory (the same version counter), anything else as it is.
+
+    The plan's forward runs under no_grad, so each view it makes is marked as made in no_grad mode, and
+    keeps its base. When its base is written after it is made (a loop writing its states into slices of
+    an output: a saved slice, or the result of ``copy_`` into one) and the base then requires grad (an
+    output, which :class:`_Release` gives a grad_fn), unpacking the saved view has autograd re-derive
+    its history from the base, and refuse ("a view was created in no_grad mode ... modified inplace").
+    The backward reads saved values as data only, so the view's link to its base serves nothing. A view
+    that requires grad has a base that does (an input), which a training plan never writes (see
+    ``api._check_mutations``); it stays an anchor for the refusal of higher-order gradients. The shared
+    version counter keeps autograd's check of saved tensors: a write into an output between the forward
+    and the backward is still caught as in eager.
+    """
+    if isinstance(value, torch.Tensor) and value._is_view() and not value.requires_grad:
+        return value.detach()
+    return value
+
+
 class PlanFunction(torch.autograd.Function):
     """Runs an :class:`Emitted` plan's forward, and its backward when autograd asks (see :func:`run_training`)."""
 
@@ -389,9 +409,9 @@ class PlanFunction(torch.autograd.Function):
         if emitted.plain_saved:
             plain = set(emitted.plain_saved)
             ctx.plain_values = {i: saved[i] for i in emitted.plain_saved}
-            ctx.save_for_backward(*[v for i, v in enumerate(saved) if i not in plain])
+            ctx.save_for_backward(*[_as_saved(v) for i, v in enumerate(saved) if i not in plain])
         else:
-            ctx.save_for_backward(*saved)
+            ctx.save_for_backward(*map(_as_saved, saved))
         relay.outputs = outputs
         relay.inputs = frozenset(id(x) for x in flat)
         relay.emitted = emitted

@@ -225,6 +225,39 @@ def test_seq2seq_recomputes_lstm_gates_written_in_place():
     assert_equivalent(model, optimize(model, passes="remat", max_overhead=10.0), *inputs)
 
 
+class _FillsItsOutputThenNormalises(nn.Module):
+    """A recurrence that writes its states into slices of an output, then a layer norm of that output:
+    the backward needs the norm's statistics, cheaper to recompute than to save."""
+
+    def __init__(self, width: int = 64):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(width, width) * 0.125)
+        self.g = nn.Parameter(torch.randn(width))
+
+    def forward(self, x):
+        h = x.new_zeros(x.shape[0], x.shape[2])
+        out = x.new_zeros(x.shape)
+        for t in range(x.shape[1]):
+            h = torch.tanh(x[:, t] @ self.w + h)
+            out[:, t] = h
+        return out, nn.functional.layer_norm(out, out.shape[-1:], self.g)
+
+
+def test_a_copy_reading_a_storage_written_in_slices_reads_the_last_write():
+    # The norm's copy reads the output through the result of the last write into it (a view of the
+    # output made before that write, under the forward's no_grad), which is saved: unpacking it raised
+    # "A view was created in no_grad mode and its base ... has been modified inplace" in the backward.
+    torch.manual_seed(0)
+    model, x = _FillsItsOutputThenNormalises(), torch.randn(8, 6, 64, requires_grad=True)
+    opt = optimize(model, passes="remat")
+    assert_equivalent(model, opt, x)
+    (record,) = opt.plan.records
+    assert "native_layer_norm" in record.plan.recomputed
+    graph = opt.plan.graph
+    written = [name for name in opt.plan.emitted.saved if mutated_args(graph.node(name))]
+    assert written, opt.plan.emitted.saved  # the last write's result crosses to the backward
+
+
 class _RandomisedLeakyRelu(nn.Module):
     """``rrelu`` in training draws its slopes into a noise buffer it writes and does not return."""
 
