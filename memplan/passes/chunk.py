@@ -76,8 +76,9 @@ Soundness conditions (each with a counterexample that the rules refuse)
 * A reduction over the index has a combine and a backward that slices. Counterexample:
   ``x.max(dim=i)`` has a combine (max with argmax) but its backward scatters into all of ``i`` with
   global indices; it is a barrier (``amax`` too: its backward divides by a count over ``i``).
-* Random ops are never chunked or recomputed. Counterexample: ``dropout`` drawn chunk by chunk draws
-  other numbers than eager's single draw; it is a barrier.
+* Random ops are never chunked or recomputed, nor run in a loop at all. Counterexample: ``dropout``
+  drawn chunk by chunk draws other numbers than eager's single draw; it is a barrier, even when all
+  it reads is replicated (the mask of a dropout of a partial sum, drawn into an ``empty_like`` of it).
 * The region is convex (nothing outside it both reads it and feeds it). Counterexample:
   ``m = x.amax(i); z = x - m; w = z * x``: ``z`` reads the combined ``m``, and ``w`` would need ``z``
   sliced inside the loop that computes ``m``. The flood marks ``z`` downstream of the region, and ``w``.

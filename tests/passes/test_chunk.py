@@ -148,6 +148,15 @@ class DropoutPairwise(nn.Module):
         return F.dropout(x[:, None, :] * y[None, :, :], 0.3).sum(-1).amax(-1)
 
 
+class DropoutOfPartialSum(nn.Module):
+    """Dropout of a product summed over its middle dimension: chunked along that dimension, the sum is
+    a partial result, and the dropout's mask (``bernoulli_`` into an ``empty_like`` of it) reads only a
+    replicated value; the random op must still stay outside every loop, drawn once, whole."""
+
+    def forward(self, x, y):
+        return F.dropout((x[:, :, None] * y[None]).sum(1), 0.3)
+
+
 class SelfSimilarityLoss(nn.Module):
     """A contrastive loss over the cosine similarities of a batch with itself (``z @ z.t()``): the rows
     of ``z`` index the rows of the similarities, and the product reads ``z`` whole as its other side."""
@@ -309,6 +318,32 @@ def test_random_op_is_never_chunked():
         if isinstance(module, ChunkLoop):
             for body in module.bodies.values():
                 assert not any(is_random(n) for n in body.graph.nodes if n.op == "call_function")
+
+
+def _loop_bodies(opt):
+    return [body for module in opt.plan.graph.gm.modules() if isinstance(module, ChunkLoop)
+            for body in module.bodies.values()]
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["no_grad", "training"])
+def test_random_op_reading_only_replicated_values_stays_outside_loops(train):
+    # The region runs each op it holds once per chunk; a random op whose inputs are all replicated (the
+    # mask of a dropout of a partial sum) once joined it, drawing a mask per chunk where eager draws one.
+    model = DropoutOfPartialSum()
+    x, y = torch.randn(4, 256, requires_grad=train), torch.randn(256, 4, requires_grad=train)
+    opt = memplan.optimize(model, passes="chunk", **FORCE)
+    assert_equivalent(model, opt, x, y, grad=train)  # same RNG seed, same mask: one whole draw
+    bodies = _loop_bodies(opt)
+    assert bodies, "the product is still chunked, with the dropout after the loop"
+    for body in bodies:
+        assert not any(is_random(n) for n in body.graph.nodes if n.op == "call_function")
+
+
+def test_random_op_is_a_barrier_whatever_its_inputs_states():
+    graph = capture(DropoutOfPartialSum(), torch.randn(4, 256), torch.randn(256, 4), train=False)
+    (draw,) = [n for n in graph.gm.graph.nodes if n.op == "call_function" and is_random(n)]
+    assert chunk_rule(draw, {}.get) == Barrier("random op")  # every input replicated
+    assert chunk_rule(draw, {a: Split(0) for a in draw.all_input_nodes}.get) == Barrier("random op")
 
 
 # ----------------------------------------------------------------------------------------------

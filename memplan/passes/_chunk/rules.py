@@ -485,10 +485,14 @@ def _chunk_rule(node: torch.fx.Node, st: Callable[[Any], State], is_zero: Callab
     name, random, _ = _op_facts(node.target)
     if name in _NEW_FACTORIES or name in _FACTORIES:
         return REP  # shape-only: relabelled on demand (see Need handling)
+    if random and is_random(node):
+        # Before the replicated shortcut: an op the flood asks about reads a value the region makes,
+        # so the region would run it once per chunk, even with every input replicated (dropout's
+        # ``bernoulli_`` into an ``empty_like`` of a partial sum), drawing once per chunk where eager
+        # draws once.
+        return Barrier("random op")
     if all(isinstance(s, Replicated) for s in in_states):
         return REP
-    if random and is_random(node):
-        return Barrier("random op")
     value = node.meta.get("val")
     out_shape = tuple(value.shape) if isinstance(value, torch.Tensor) else ()
     x = node.args[0] if node.args else None
