@@ -194,6 +194,9 @@ class CapturedGraph:
     out_spec: pytree.TreeSpec
     seed: str
     released_after: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # where the forward ran under autocast: the first backward op autocast would cast if the backward ran
+    # inside the autocast block too ("mm at model.py:12 (...)"), or None (see _autocast_in_backward)
+    autocast_in_backward: str | None = None
     static_inputs: tuple[tuple[str, Any], ...] = ()
     lifetimes: str = "eager"
     _by_name: dict[str, torch.fx.Node] = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
@@ -584,17 +587,20 @@ def capture(
         grad_inputs = [t for t in flat[: n_params] if t.requires_grad]
         grad_inputs += [t for t in flat[n_params + n_buffers : n_params + n_buffers + n_user] if t.requires_grad]
         relaid: set[int] = set()
-        if seed == "sum":
-            sum_backward(flat_out, before_backward=tag_backward)
-        else:
-            diff = [t for t in flat_out if isinstance(t, torch.Tensor) and t.requires_grad]
-            tangents = _tangent_placeholders(tracer, diff)
-            tag_backward(diff)
-            torch.autograd.backward(diff, tangents)
-            relaid, dense, together, broadcast = _relaid_by_broadcast_tangents(tracer, tangents, grad_inputs)
-            out_spec_box["dense_tangents"] = dense
-            out_spec_box["broadcast_together"] = together
-            out_spec_box["broadcast"] = broadcast
+        # The backward as it runs outside the autocast block of the forward (what torch's automatic
+        # mixed precision recipes do): a backward run inside one casts again (see _autocast_in_backward).
+        with _autocast_off():
+            if seed == "sum":
+                sum_backward(flat_out, before_backward=tag_backward)
+            else:
+                diff = [t for t in flat_out if isinstance(t, torch.Tensor) and t.requires_grad]
+                tangents = _tangent_placeholders(tracer, diff)
+                tag_backward(diff)
+                torch.autograd.backward(diff, tangents)
+                relaid, dense, together, broadcast = _relaid_by_broadcast_tangents(tracer, tangents, grad_inputs)
+                out_spec_box["dense_tangents"] = dense
+                out_spec_box["broadcast_together"] = together
+                out_spec_box["broadcast"] = broadcast
         _check_constants(model, tracer)  # what the backward alone reads
         # AccumulateGrad copies a gradient that breaks its leaf's layout contract. Make that copy inside
         # the graph, where the plan sees it, so autograd takes ours as it is: where the trace breaks the
@@ -659,6 +665,7 @@ def capture(
         TRACING.release()
 
     _reshapes_of_broadcast(gm, out_spec_box.get("broadcast", set()))
+    autocast_in_backward = _autocast_in_backward(gm, boundary.get("last_forward"), recorder.sources) if train else None
     # Step 5: read what the trace recorded, once.
     captured = _build_captured(
         gm,
@@ -678,6 +685,7 @@ def capture(
         differentiable=out_spec_box["differentiable"],
         dense_tangents=out_spec_box.get("dense_tangents", set()),
         broadcast_together=out_spec_box.get("broadcast_together", False),
+        autocast_in_backward=autocast_in_backward,
     )
     _refuse_random_recomputation(captured)
     return captured
@@ -1028,6 +1036,69 @@ def _meet(graph: torch.fx.Graph, scenarios: list[dict[torch.fx.Node, Any]]) -> b
         if len(reads) > 1:
             return True
     return False
+
+
+# The devices whose autocast capture follows (and the plan's code runs without: see memplan.emit).
+AUTOCAST_KINDS = ("cpu", "cuda")
+
+
+@contextlib.contextmanager
+def _autocast_off() -> Iterator[None]:
+    """Every enabled autocast turned off for the block, as outside a ``with torch.autocast(...)``."""
+    with contextlib.ExitStack() as stack:
+        for kind in AUTOCAST_KINDS:
+            if torch.is_autocast_enabled(kind):
+                stack.enter_context(torch.autocast(kind, enabled=False))
+        yield
+
+
+def _autocast_in_backward(gm: torch.fx.GraphModule, boundary: str | None,
+                          sources: Mapping[str, SourceLine]) -> str | None:
+    """The first backward op that autocast, as enabled now, would cast, named with the user's line; None
+    when autocast is off or casts none of them.
+
+    Capture traces the backward outside the forward's autocast block, as torch's mixed precision recipes
+    run it (``loss.backward()`` after the ``with`` block). A backward called inside the block runs under
+    autocast, which casts the inputs of the operators on its lists again: the float32 matmuls of the
+    math path of ``scaled_dot_product_attention``'s backward run in bfloat16 then, and the gradients
+    differ from the traced program's. Each distinct operator and input dtypes is tried once on fake
+    values under the autocast of now; if its result's dtype changes, the plan's backward cannot be
+    eager's there, and :class:`memplan.emit.PlanFunction` refuses such a call with this op named.
+    """
+    casting = [(kind, torch.get_autocast_dtype(kind)) for kind in AUTOCAST_KINDS if torch.is_autocast_enabled(kind)]
+    if not casting:
+        return None
+    tried: set[tuple] = set()
+    in_backward = boundary is None
+    forward_lines: dict[int, SourceLine] = {}
+    for node in gm.graph.nodes:
+        if not in_backward:
+            if node.name in sources and isinstance(node.meta.get("seq_nr"), int):
+                forward_lines.setdefault(node.meta["seq_nr"], sources[node.name])
+            in_backward = node.name == boundary
+            continue
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or mutated_args(node):
+            continue  # an op that writes is not run again: it would write into the trace's own values
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda arg: arg.meta.get("val"))
+        dtypes = tuple(leaf.dtype if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+                       for leaf in pytree.tree_leaves((args, kwargs)))
+        key = (node.target, dtypes)
+        if key in tried:
+            continue
+        tried.add(key)
+        expected = [leaf.dtype for leaf in pytree.tree_leaves(node.meta.get("val")) if isinstance(leaf, torch.Tensor)]
+        try:
+            with contextlib.ExitStack() as stack:
+                for kind, dtype in casting:
+                    stack.enter_context(torch.autocast(kind, dtype=dtype))
+                value = node.target(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - an op the fake mode cannot run again on its own: not judged
+            continue
+        if [leaf.dtype for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)] != expected:
+            line = forward_lines.get(node.meta.get("seq_nr", -1))
+            name = node.target.__name__.split(".")[0]
+            return f"{name} at {line}" if line is not None else name
+    return None
 
 
 def _reshapes_of_broadcast(gm: torch.fx.GraphModule, broadcast: AbstractSet[str]) -> None:
@@ -1608,6 +1679,7 @@ def _build_captured(
     recorded_sources: Mapping[str, SourceLine],
     dense_tangents: AbstractSet[int] = frozenset(),
     broadcast_together: bool = False,
+    autocast_in_backward: str | None = None,
 ) -> CapturedGraph:
     dropped = _drop_aliases(gm, boundary)
     boundary = dropped.get(boundary, boundary) if boundary is not None else None
@@ -1682,6 +1754,7 @@ def _build_captured(
     return CapturedGraph(
         gm=gm,
         released_after=released_after,
+        autocast_in_backward=autocast_in_backward,
         training=train,
         phases=phases,
         sources=sources,

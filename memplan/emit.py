@@ -23,6 +23,7 @@ copying the nodes and fx's code generation took most of emit's time.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -49,8 +50,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memplan.capture import CapturedGraph, Phase, caller_line
-from memplan.errors import HigherOrderGradientError, OutputGradientHookError
+from memplan.capture import AUTOCAST_KINDS, CapturedGraph, Phase, caller_line
+from memplan.errors import AutocastBackwardError, HigherOrderGradientError, OutputGradientHookError
 from memplan.opschema import GRAD_MODE_OPS
 
 __all__ = ["Emitted", "emit", "PlanFunction", "run_training"]
@@ -86,6 +87,9 @@ class Emitted:
     build_modules: Callable[[], tuple[torch.fx.GraphModule, torch.fx.GraphModule | None]] = dataclasses.field(
         repr=False, compare=False
     )
+    # the backward op autocast would cast were the backward run inside the forward's autocast block
+    # (see CapturedGraph.autocast_in_backward), or None
+    autocast_in_backward: str | None = None
 
     @functools.cached_property
     def _modules(self) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule | None]:
@@ -323,6 +327,7 @@ def emit(graph: CapturedGraph) -> Emitted:
         run_forward=runners[0],
         run_backward=runners[1] if len(runners) > 1 else None,
         build_modules=build_modules,
+        autocast_in_backward=graph.autocast_in_backward,
     )
 
 
@@ -424,6 +429,13 @@ class PlanFunction(torch.autograd.Function):
     def backward(ctx: Any, _token: torch.Tensor) -> tuple[Any, ...]:
         emitted: Emitted = ctx.emitted
         relay: _Relay = ctx.relay
+        if emitted.autocast_in_backward is not None and any(map(torch.is_autocast_enabled, AUTOCAST_KINDS)):
+            raise AutocastBackwardError(
+                f"the plan's backward runs inside an autocast block, which would cast "
+                f"{emitted.autocast_in_backward} in eager's backward; memplan planned the backward as it runs "
+                "outside the block. Fix: call backward() after the `with torch.autocast(...)` block ends, as "
+                "torch's automatic mixed precision recipes do (the forward and the loss stay inside)."
+            )
         grad_outputs, relay.grads = relay.grads, None
         grad_outputs_sent = [g is not None for g in grad_outputs] if grad_outputs is not None else [False] * emitted.n_outputs
         args: list[Any] = list(ctx.saved_tensors)
@@ -656,12 +668,25 @@ def _runner(
 
     def call(args: list[Any]) -> Any:
         try:
-            return function(root, args)
+            casting = [kind for kind in AUTOCAST_KINDS if torch.is_autocast_enabled(kind)]
+            if not casting:
+                return function(root, args)
+            with contextlib.ExitStack() as stack:
+                for kind in casting:
+                    stack.enter_context(torch.autocast(kind, enabled=False))
+                return function(root, args)
         except Exception as exc:
             _note_failing_op(exc, f"<memplan {name}>", source, describe)
             raise
 
     return call
+
+
+# A plan's code runs without autocast on the devices capture follows (AUTOCAST_KINDS). Capture records
+# the casts autocast made as ops of the graph (``_to_copy``), under the operators autocast dispatches
+# to; run again under an enabled autocast, an operator on its lists would cast its inputs a second
+# time, or to another dtype than eager's (the float32 matmuls of scaled_dot_product_attention's math
+# path came out bfloat16, and the backward's softmax raised on the mix).
 
 
 _ASSIGNED = re.compile(r"^\s*(\w+)(?:\s*,\s*\w+)*\s*=")

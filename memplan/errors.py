@@ -88,3 +88,9 @@ class HigherOrderGradientError(MemplanError, RuntimeError):
 class OutputGradientHookError(MemplanError, RuntimeError):
     """A hook or ``retain_grad()`` on an output the model also reads inside: the plan's backward adds
     the gradient of the inside path itself, so the hook would see, and change, only the outside part."""
+
+
+class AutocastBackwardError(MemplanError, RuntimeError):
+    """A plan's backward was called inside an autocast block, where autocast would cast some backward op
+    that the plan, traced with the backward outside the block (as torch's mixed precision recipes run
+    it), does not: the gradients would not be eager's."""

@@ -980,3 +980,63 @@ def test_autocast_casts_an_input_made_by_earlier_ops_at_every_use():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         opt(leaf)  # a leaf input is another signature: its cast is cached, as eager caches it
     assert opt.plans_built == 2
+
+
+class _DropoutAttention(nn.Module):
+    """Self-attention through ``scaled_dot_product_attention`` with dropout, heads as a batch dimension."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+
+
+def _autocast_step(model, x, *, backward_inside):
+    """Outputs and gradients of a step whose forward runs under bfloat16 autocast, its backward after the
+    block or inside it."""
+    leaf = x.detach().requires_grad_()
+    for p in model.parameters():
+        p.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.manual_seed(0)
+        y = model(leaf)
+        if backward_inside:
+            y.float().pow(2).sum().backward()
+    if not backward_inside:
+        y.float().pow(2).sum().backward()
+    return [y.detach(), leaf.grad] + [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("passes", ["", None])
+def test_a_plan_made_under_autocast_runs_its_ops_as_traced(passes):
+    # The plan's code ran under the caller's autocast, which cast again the float32 matmuls that
+    # attention's math path runs after autocast's own casts: the backward's softmax raised ("expected
+    # scalar type Float but found BFloat16"), with an empty pipeline; Hugging Face's GPT-2 and BERT hit it.
+    torch.manual_seed(0)
+    model, x = _DropoutAttention(), torch.randn(2, 8, 16)
+    eager = _autocast_step(model, x, backward_inside=False)
+    planned = _autocast_step(optimize(model, passes=passes), x, backward_inside=False)
+    for a, b in zip(planned, eager, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_backward_inside_the_autocast_block_is_eagers_or_refused():
+    # Capture traced the backward under the forward's autocast: the plan's gradients were those of a
+    # backward run inside the block, wherever the user ran it (off by 0.06 in a weight's gradient after
+    # the block, the recipe torch documents). The backward is traced as after the block now; one run
+    # inside it is eager's where autocast casts no backward op, and refused, naming the op, where it does.
+    torch.manual_seed(0)
+    model, x = _DropoutAttention(), torch.randn(2, 8, 16)
+    opt = optimize(model)
+    _autocast_step(opt, x, backward_inside=False)
+    with pytest.raises(memplan.errors.AutocastBackwardError, match="bmm"):
+        _autocast_step(opt, x, backward_inside=True)
+    mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    opt = optimize(mlp)
+    for inside in (False, True):  # a linear layer's backward runs in the dtype autocast gave its forward
+        eager, planned = _autocast_step(mlp, x, backward_inside=inside), _autocast_step(opt, x, backward_inside=inside)
+        for a, b in zip(planned, eager, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
