@@ -7,10 +7,12 @@
 """
 
 from memplan import ops as _ops  # noqa: F401  (registers torch.ops.memplan, which plans and reproducers may hold)
+from memplan import errors, steps, testing  # noqa: F401  (memplan.steps.step_fn, memplan.errors.*, without an import of their own)
 from memplan.analyze import MemoryAnalysis, analyze
 from memplan.api import OptimizedModule, Plan, optimize
 from memplan.capture import CapturedGraph
 from memplan.errors import (
+    AutocastBackwardError,
     CaptureError,
     HigherOrderGradientError,
     OutputGradientHookError,
@@ -37,6 +39,7 @@ __all__ = [
     "CapturedGraph",
     "Measurement",
     "MemplanError",
+    "AutocastBackwardError",
     "CaptureError",
     "HigherOrderGradientError",
     "OutputGradientHookError",

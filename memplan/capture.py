@@ -1495,6 +1495,16 @@ def _capture_error(model: Any, exc: BaseException, graph: torch.fx.Graph | None 
             "updates of differentiable inputs. "
             'Fix: use the out-of-place op (e.g. x = x + y), or pass fallback="eager".'
         )
+    if any(frame.line and "_nested_tensor_from_mask" in frame.line for frame in frames) or "NestedTensorImpl" in str(exc):
+        return CaptureError(
+            f"memplan cannot capture {name}: it turns a padded batch into a nested tensor{at}"
+            f"{'' if where else caller_line()}, which memplan cannot "
+            "plan: nn.TransformerEncoder does so in evaluation under no_grad when given src_key_padding_mask (its "
+            "fast path). Fix: build the encoder with nn.TransformerEncoder(..., enable_nested_tensor=False), which "
+            "keeps the batch padded (the outputs at padded positions are then the layers' values rather than "
+            'zeros, in eager as in the plan); or pass fallback="eager" to memplan.optimize to run this model '
+            "eagerly."
+        )
     in_ctc = any(frame.name == "ctc_loss" and frame.filename.startswith(_TORCH_DIR + os.sep) for frame in frames)
     if in_ctc and (isinstance(exc, data_dependent) or "data is not allocated" in str(exc)):
         return CaptureError(
@@ -1510,6 +1520,14 @@ def _capture_error(model: Any, exc: BaseException, graph: torch.fx.Graph | None 
                 f"memplan cannot capture {name}: torch.distributions checks the values of its arguments{at}, "
                 "and a static plan cannot depend on them. Fix: pass validate_args=False to the distribution, "
                 "or call torch.distributions.Distribution.set_default_validate_args(False) once."
+            )
+        if any(frame.name == "pack_padded_sequence" and frame.filename.startswith(_TORCH_DIR + os.sep) for frame in frames):
+            return CaptureError(
+                f"memplan cannot capture {name}: nn.utils.rnn.pack_padded_sequence makes its batch sizes from the "
+                f"values of the lengths{at}, and a static plan cannot depend on them. Fix: run the recurrent layer "
+                "on the padded batch and mask the padded steps (multiply the outputs by a mask made from the "
+                "lengths, and pick each sequence's last state with gather), or keep packing outside the optimized "
+                'module; or pass fallback="eager" to memplan.optimize to run this model eagerly.'
             )
         return CaptureError(
             f"memplan cannot capture {name}: its Python control flow or output shapes depend on tensor values{at} "

@@ -336,6 +336,29 @@ def test_an_output_memplan_cannot_see_inside_is_refused_naming_the_forward():
     assert "Result" in message
 
 
+def test_a_padded_batch_made_nested_is_refused_with_the_fix_that_applies():
+    # nn.TransformerEncoder in evaluation, under no_grad, with a padding mask, makes a nested tensor of the
+    # batch: the message carried torch's "Internal error ... Please file an issue" and the generic fix
+    def encoder(nested: bool) -> nn.Module:
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+        return nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested).eval()
+
+    x, mask = torch.randn(3, 7, 16), torch.zeros(3, 7, dtype=torch.bool)
+    mask[1, 5:], mask[2, 3:] = True, True
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own prototype warning about nested tensors
+        with pytest.raises(CaptureError) as info:
+            memplan.optimize(encoder(True))(x, src_key_padding_mask=mask)
+        message = raised_here(info, line=line_of(test_a_padded_batch_made_nested_is_refused_with_the_fix_that_applies,
+                                                 "memplan.optimize(encoder(True))"), fix="enable_nested_tensor=False")
+        assert "file an issue" not in message
+        model = encoder(False)  # the fix the message gives
+        opt = memplan.optimize(model)
+        assert_equivalent(lambda x, m: model(x, src_key_padding_mask=m), lambda x, m: opt(x, src_key_padding_mask=m),
+                          x, mask, grad=False)
+
+
 # ----------------------------------------------------------------------------------------------
 # shapes that change from call to call; the plan cache's bound
 
