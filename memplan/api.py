@@ -629,7 +629,7 @@ def _collector_paused():
 def optimize(
     model: nn.Module | Callable[..., Any],
     *,
-    budget: int | str | None = None,
+    budget: int | float | str | None = None,
     max_overhead: float = 0.3,
     passes: str | Sequence[str] | None = None,
     fallback: str | None = None,
@@ -645,8 +645,10 @@ def optimize(
     Parameters
     ----------
     model : nn.Module or callable
-    budget : int or str, optional
-        Hard limit on the predicted peak (e.g. ``"2GiB"``).
+    budget : int, float or str, optional
+        Hard limit on the predicted peak of a step: bytes (``"2GiB"``, ``2**31``), or a fraction of the
+        model's own predicted peak (``0.5``, ``"50%"``), worked out for each input signature. See
+        :func:`memplan.policy.parse_budget`.
     max_overhead : float
         Without a budget: lowest peak whose extra compute is at most this fraction (default 0.3).
     passes : str or sequence of str, optional

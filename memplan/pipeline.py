@@ -520,6 +520,18 @@ class PassManager:
         leave a later pass less to gain). When no rung fits,
         :class:`~memplan.errors.InfeasibleBudgetError` names the smallest peak of the ladder.
         """
+        fraction = self.policy.fraction
+        if fraction is not None:  # a share of the peak of the model as written, as a step counts it
+            eager = AnalysisManager(dataclasses.replace(graph, lifetimes="eager"), known=known).get(PeakSimulation).peak
+            self.policy = self.policy.in_bytes(eager + (step_margin(graph) if graph.training else 0))
+        try:
+            return self._run_with_budget(graph, known, pristine, fraction)
+        finally:
+            if fraction is not None:
+                self.policy = dataclasses.replace(self.policy, budget=None, fraction=fraction)
+
+    def _run_with_budget(self, graph: CapturedGraph, known: Mapping[type, Any] | None,
+                         pristine: CapturedGraph | None, fraction: float | None) -> PipelineResult:
         budget = self.policy.budget
         if budget is None or self.policy.when_over != "raise":
             return self._run(graph, self.policy, known, pristine=pristine)
@@ -536,7 +548,8 @@ class PassManager:
                    and getattr(_REGISTRY[name].fn, "__module__", "").startswith("memplan.passes.")]
         raise InfeasibleBudgetError(
             f"no plan of the pipeline {','.join(self.passes) or '(empty)'} fits the budget of "
-            f"{format_bytes(budget)}: the smallest peak its plans reach is {format_bytes(smallest)}"
+            f"{format_bytes(budget)}" + (f" ({fraction:.0%} of the model's own peak)" if fraction is not None else "")
+            + f": the smallest peak its plans reach is {format_bytes(smallest)}"
             + (f" (a whole training step as memplan.measure counts it: the plan's {format_bytes(smallest - margin)} "
                f"and {format_bytes(margin)} of the step's loss and its gradient)" if margin else "")
             + (f", held there by {'; '.join(holders)}" if holders else "") + ". Fix: raise the budget, "

@@ -2,7 +2,8 @@
 
 A pass may produce several candidate plans (e.g. save more, recompute less). The policy picks:
 
-- with a ``budget``: the candidate with the least extra compute whose predicted peak fits the budget,
+- with a ``budget`` (bytes, or a fraction of the model's own predicted peak: see :func:`parse_budget`):
+  the candidate with the least extra compute whose predicted peak fits the budget,
   ties broken by lower peak; if none fits, what ``when_over`` says: ``"raise"``
   :class:`~memplan.errors.InfeasibleBudgetError` naming the smallest reachable peak, ``"overhead"`` choose
   as without a budget, ``"lowest"`` the lowest peak whatever it costs. A pipeline given a budget runs
@@ -24,7 +25,7 @@ from typing import Generic, TypeVar
 from memplan.errors import InfeasibleBudgetError
 from memplan.measure import format_bytes
 
-__all__ = ["Policy", "Candidate", "parse_bytes"]
+__all__ = ["Policy", "Candidate", "parse_bytes", "parse_budget"]
 
 T = TypeVar("T")
 
@@ -50,6 +51,48 @@ def parse_bytes(value: int | float | str) -> int:
     if not match or match.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot read {value!r} as bytes; write e.g. 512MiB, 2GiB, 1.5GB or an int")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def parse_budget(value: int | float | str) -> int | float:
+    """A budget as memplan reads it: bytes (an int), or a fraction of the eager peak (a float in (0, 1]).
+
+    An int, a float that is a whole number above 1, or a string with a byte unit (``"64MiB"``,
+    ``"1.5GB"``, ``"4096"``) is bytes; a float in (0, 1] or a percentage (``"30%"``) is a fraction of the
+    predicted peak of the model as written, the convention of
+    ``torch._functorch.config.activation_memory_budget``. Anything else is an error that says so: zero
+    or a negative budget, a bool, a float above 1 that is not a whole number of bytes, a percentage
+    outside (0, 100], an unknown unit.
+
+    Examples
+    --------
+    >>> parse_budget("64MiB"), parse_budget(4096), parse_budget(0.3), parse_budget("30%"), parse_budget(2e9)
+    (67108864, 4096, 0.3, 0.3, 2000000000)
+    """
+    if isinstance(value, bool):
+        raise TypeError("a budget cannot be a bool: give bytes (e.g. '2GiB', 2**31) or a fraction of eager's peak (0.5, '50%')")
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            percent = float(value.strip()[:-1])
+        except ValueError:
+            raise ValueError(f"cannot read {value!r} as a percentage of eager's peak; write e.g. '30%'") from None
+        if not 0 < percent <= 100:
+            raise ValueError(f"a budget of {value!r} is not a share of eager's peak: give a percentage in (0, 100]")
+        return percent / 100
+    if isinstance(value, float):
+        if not value > 0:  # NaN too
+            raise ValueError(f"a budget must be positive, not {value}")
+        if value <= 1:
+            return value
+        if value != int(value):
+            raise ValueError(f"a budget of {value} is neither a fraction of eager's peak (in (0, 1]) nor a whole "
+                             "number of bytes; write e.g. 0.5, '50%', '1.5GiB' or 1610612736")
+        return int(value)
+    if isinstance(value, int) and value <= 0:
+        raise ValueError(f"a budget must be positive, not {value} bytes")
+    budget = parse_bytes(value)
+    if budget <= 0:
+        raise ValueError(f"a budget must be positive, not {value!r}")
+    return budget
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,12 +121,20 @@ class Policy:
     budget: int | None = None
     max_overhead: float = 0.3
     when_over: str = "raise"
+    # a budget given as a fraction of the eager peak (see parse_budget), until the pipeline, which knows
+    # that peak, makes it bytes (``budget`` is None meanwhile)
+    fraction: float | None = None
 
     def __post_init__(self) -> None:
         if self.when_over not in ("raise", "overhead", "lowest"):
             raise ValueError(f"when_over must be 'raise', 'overhead' or 'lowest', not {self.when_over!r}")
         if self.budget is not None:
-            object.__setattr__(self, "budget", parse_bytes(self.budget))
+            budget = parse_budget(self.budget)
+            if isinstance(budget, float):
+                object.__setattr__(self, "budget", None)
+                object.__setattr__(self, "fraction", budget)
+            else:
+                object.__setattr__(self, "budget", budget)
         if isinstance(self.max_overhead, bool) or not isinstance(self.max_overhead, (int, float)):
             raise TypeError(f"max_overhead must be a number (0.3: up to 30% more compute), not "
                             f"{type(self.max_overhead).__name__} {self.max_overhead!r}")
@@ -100,6 +151,12 @@ class Policy:
         (False, True)
         """
         return self.budget is not None or overhead <= self.max_overhead
+
+    def in_bytes(self, eager_peak: int) -> "Policy":
+        """This policy with a fractional budget made bytes of ``eager_peak`` (itself when it has none)."""
+        if self.fraction is None:
+            return self
+        return dataclasses.replace(self, budget=max(1, int(self.fraction * eager_peak)), fraction=None)
 
     def choose(self, candidates: Sequence[Candidate[T]]) -> Candidate[T]:
         if not candidates:

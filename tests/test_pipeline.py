@@ -398,6 +398,47 @@ def test_a_refused_budget_says_the_smallest_step_in_the_plans_terms():
     memplan.optimize(model, budget=planned.plan.planned_peak + 8)(x)
 
 
+def _tanh_stack():
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(8)]
+    return torch.nn.Sequential(*layers), torch.randn(256, 64)
+
+
+@pytest.mark.parametrize("fraction", [0.8, "80%"])
+def test_a_budget_below_one_is_a_share_of_the_models_own_peak(fraction):
+    # budget=0.3 was read as 0 bytes ("fits the budget of 0 B"): a float in (0, 1] or a percentage is a
+    # share of the eager peak, as torch's activation_memory_budget reads it
+    from memplan.steps import step_fn
+
+    model, x = _tanh_stack()
+    eager = memplan.analyze(model, x).peak
+    shared, in_bytes = memplan.optimize(model, budget=fraction), memplan.optimize(model, budget=int(0.8 * eager))
+    shared(x), in_bytes(x)
+    assert shared.plan.planned_peak == in_bytes.plan.planned_peak
+    step = step_fn(shared, (x,), train=True)
+    step()
+    assert memplan.measure(step).peak <= 0.8 * memplan.measure(step_fn(model, (x,), train=True)).peak
+    assert shared.policy.fraction == 0.8 and shared.policy.budget is None  # worked out per signature
+
+
+def test_a_share_no_plan_reaches_is_refused_naming_the_share():
+    from memplan.errors import InfeasibleBudgetError
+
+    model, x = _tanh_stack()
+    with pytest.raises(InfeasibleBudgetError, match=r"fits the budget of .* \(5% of the model's own peak\)"):
+        memplan.optimize(model, budget="5%")(x)
+
+
+@pytest.mark.parametrize("budget, error, text", [
+    (0, ValueError, "positive"), (-1, ValueError, "positive"), (-0.5, ValueError, "positive"),
+    (True, TypeError, "bool"), (1.5, ValueError, "neither a fraction"), ("150%", ValueError, r"\(0, 100\]"),
+    ("3 parsecs", ValueError, "cannot read"), ("x%", ValueError, "percentage"),
+])
+def test_budgets_that_mean_nothing_are_clear_errors(budget, error, text):
+    with pytest.raises(error, match=text):
+        memplan.optimize(torch.nn.Linear(4, 4), budget=budget)
+
+
 def test_holders_name_a_chunked_loop_as_such():
     # A holder made by the chunk pass was named by its submodule alone (`memplan_chunk1`), a name the
     # user never wrote; it is named a chunked loop, beside the user's line.
