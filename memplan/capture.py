@@ -335,6 +335,11 @@ def check_leaves(leaves: Sequence[Any], paths: Sequence[str]) -> None:
             continue
         if isinstance(leaf, torch.Generator):
             raise UnsupportedInputError(f"{path} is a torch.Generator{caller_line()}. {_OWN_GENERATOR_FIX}")
+        if not isinstance(leaf, torch.Tensor) and _is_key_value_cache(leaf):
+            raise UnsupportedInputError(
+                f"{path} is a key/value cache ({type(leaf).__name__}){caller_line()}, an object holding the "
+                f"tensors of earlier calls, which a plan cannot take in. {_CACHE_FIX}"
+            )
         if not isinstance(leaf, torch.Tensor):
             raise UnsupportedInputError(
                 f"memplan plans over tensors and plain values (None, bool, int, float, str, dtype, device, "
@@ -401,6 +406,11 @@ def _check_outputs(model: Any, out: Any, flat_out: Sequence[Any]) -> None:
         if isinstance(value, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)) or is_static_leaf(value):
             continue
         where = leaf_paths((out, {}))[i].replace("args", "output", 1)
+        if _is_key_value_cache(value):
+            raise CaptureError(
+                f"{_forward_line(model)} returns a key/value cache ({type(value).__name__}) at {where}: a plan "
+                f"gives back the tensors it computes, not an object holding them. {_CACHE_FIX}"
+            )
         raise CaptureError(
             f"{_forward_line(model)} returns a value of type {type(value).__name__} at {where}; memplan returns "
             "tensors and plain values (None, numbers, strings, dtypes), in tuples, lists, dicts and namedtuples, "
@@ -409,6 +419,20 @@ def _check_outputs(model: Any, out: Any, flat_out: Sequence[Any]) -> None:
             "torch.utils._pytree.register_dataclass (or register_pytree_node) so memplan sees inside it; or pass "
             'fallback="eager" to memplan.optimize to run this model eagerly.'
         )
+
+
+_CACHE_FIX = (
+    "Fix: for training and full-sequence passes, call the model with use_cache=False (or set "
+    "model.config.use_cache = False), so it returns no cache; decode token by token with the model itself "
+    "(opt.original), where each step holds little memory."
+)
+
+
+def _is_key_value_cache(value: Any) -> bool:
+    """Whether ``value`` is a Hugging Face transformers cache of keys and values (``DynamicCache`` and the
+    other ``Cache`` classes), recognised by its class's lineage, without importing transformers."""
+    return any(cls.__name__.endswith("Cache") and cls.__module__.startswith("transformers.")
+               for cls in type(value).__mro__)
 
 
 def leaf_paths(tree: Any) -> list[str]:
@@ -1520,6 +1544,14 @@ def _capture_error(model: Any, exc: BaseException, graph: torch.fx.Graph | None 
                 f"memplan cannot capture {name}: torch.distributions checks the values of its arguments{at}, "
                 "and a static plan cannot depend on them. Fix: pass validate_args=False to the distribution, "
                 "or call torch.distributions.Distribution.set_default_validate_args(False) once."
+            )
+        if any(frame.name == "_detect_is_causal_mask" and frame.filename.startswith(_TORCH_DIR + os.sep) for frame in frames):
+            return CaptureError(
+                f"memplan cannot capture {name}: torch reads the values of an attention mask to find out whether it is "
+                f"causal{at}{'' if where else caller_line()}, and a static plan cannot depend on them. Fix: say it: pass "
+                "is_causal=True (or False) to nn.TransformerEncoder, tgt_is_causal= (and memory_is_causal=) to "
+                'nn.TransformerDecoder, beside the mask; or pass fallback="eager" to memplan.optimize to run this '
+                "model eagerly."
             )
         if any(frame.name == "pack_padded_sequence" and frame.filename.startswith(_TORCH_DIR + os.sep) for frame in frames):
             return CaptureError(

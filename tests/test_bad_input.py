@@ -359,6 +359,22 @@ def test_a_padded_batch_made_nested_is_refused_with_the_fix_that_applies():
                           x, mask, grad=False)
 
 
+def test_a_mask_torch_reads_to_find_it_causal_is_refused_with_the_fix_that_applies():
+    # nn.TransformerDecoder compares tgt_mask with a causal mask in Python unless told: the generic
+    # "depends on tensor values" message named no way out
+    torch.manual_seed(0)
+    decoder = nn.TransformerDecoder(nn.TransformerDecoderLayer(16, 2, 32, batch_first=True), 1)
+    tgt, memory = torch.randn(2, 5, 16), torch.randn(2, 3, 16)
+    causal = nn.Transformer.generate_square_subsequent_mask(5)
+    with pytest.raises(CaptureError) as info:
+        memplan.optimize(decoder)(tgt, memory, tgt_mask=causal)
+    raised_here(info, line=line_of(test_a_mask_torch_reads_to_find_it_causal_is_refused_with_the_fix_that_applies,
+                                   "memplan.optimize(decoder)(tgt, memory, tgt_mask=causal)"), fix="tgt_is_causal=")
+    opt = memplan.optimize(decoder)  # the fix the message gives
+    assert_equivalent(lambda t, m: decoder(t, m, tgt_mask=causal, tgt_is_causal=True),
+                      lambda t, m: opt(t, m, tgt_mask=causal, tgt_is_causal=True), tgt, memory)
+
+
 # ----------------------------------------------------------------------------------------------
 # shapes that change from call to call; the plan cache's bound
 
