@@ -39,7 +39,7 @@ from memplan.measure import format_bytes
 from memplan.graphutil import copy_graph, mutated_args
 from memplan.pipeline import PassManager, PassRecord, check_options, user_stacklevel
 from memplan.policy import Policy
-from memplan.verify import check_first_call
+from memplan.verify import check_first_call, first_run_failure
 
 __all__ = ["optimize", "OptimizedModule", "Plan", "DEFAULT_PIPELINE"]
 
@@ -478,9 +478,18 @@ class OptimizedModule(nn.Module):
         self._warn_if_values_vary(key, call)
         try:
             plan = self._build_plan(*call)
+            walk = _Walk.of(self.original) if isinstance(self.original, nn.Module) else None
             if self._verify:  # the plan that matches eager on this call (see memplan.verify)
-                walk = _Walk.of(self.original) if isinstance(self.original, nn.Module) else None
                 plan = check_first_call(self, plan, *call, state=self._flat_inputs([], walk))
+            elif self.fallback == "eager":  # a plan that fails to run runs eagerly too (see memplan.verify)
+                failure = first_run_failure(self, plan, *call, state=self._flat_inputs([], walk))
+                if failure is not None:
+                    warnings.warn(
+                        f"memplan runs this input signature eagerly (fallback='eager'): its plan raised "
+                        f"{type(failure).__name__} on a trial run of this call: {failure}. This is memplan's "
+                        "failure, not your model's: please report it with the model, or the reproducer of "
+                        "memplan.pipeline.save_reproducer.", stacklevel=user_stacklevel())
+                    plan = None
         except (CaptureError, UnsupportedInputError) as exc:
             if self.fallback != "eager":
                 raise

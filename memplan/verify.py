@@ -44,7 +44,7 @@ import torch.utils._pytree as pytree
 
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.tensors import Tensors
-from memplan.capture import CapturedGraph
+from memplan.capture import CapturedGraph, _raised_by_user_code
 from memplan.emit import run_inference, run_training
 from memplan.equivalence import assert_equivalent
 from memplan.errors import MemplanError, PassError, PassRolledBackWarning, VerificationWarning
@@ -52,7 +52,7 @@ from memplan.graphutil import mutated_args
 from memplan.measure import format_bytes
 from memplan.pipeline import PassRecord, PassStats, failure_mode, save_reproducer, user_stacklevel
 
-__all__ = ["check_first_call", "first_difference"]
+__all__ = ["check_first_call", "first_difference", "first_run_failure"]
 
 #: Seed of the fixed upstream gradient both runs take (a torch.Generator of its own: the global RNG
 #: is the model's).
@@ -174,6 +174,52 @@ def check_first_call(module: Any, plan: Any, args: tuple, kwargs: dict, state: S
         return _blame(module, call, changed, plan, reference, difference, restore)
     finally:
         restore()
+
+
+def first_run_failure(module: Any, plan: Any, args: tuple, kwargs: dict, state: Sequence[torch.Tensor]) -> Exception | None:
+    """What the plan's first run raises on copies of this call's tensors (forward, and in training the
+    backward from a fixed random upstream gradient), or None when it runs. Under ``fallback="eager"`` a
+    signature whose plan raises where the model itself would not runs eagerly instead (see
+    :meth:`memplan.api.OptimizedModule._plan_signature`): a failure in the backward comes after the
+    forward has returned, when no eager graph is left to fall back on, so the trial runs both first.
+
+    The RNG and the state the call may change are put back afterwards, so the call itself draws and
+    updates as eager does. An exception the model's own code raises (a hook, a check of its inputs)
+    is the model's to raise, and is not counted as the plan's: the trial returns None and the call
+    raises it, eagerly or planned, as eager would.
+    """
+    call = _Call(module.original, list(state), args, dict(kwargs), plan.original)
+    changed = call.changed()
+    rng = _RNGState.save()
+    before = [call.state[i].detach().clone() for i in changed]
+    try:
+        _, _, copies = _copy_call(call.args, call.kwargs)
+        outputs = (run_training if plan.training else run_inference)(plan.emitted, [*call.state, *copies])
+        for index, value in plan.emitted.constant_outputs:
+            outputs[index] = value
+        flat = pytree.tree_leaves(pytree.tree_unflatten(outputs, plan.graph.out_spec))
+        targets = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
+        # the planned backward is one node: a gradient of any leaf runs all of it. The call's copies first,
+        # which no hook of the user's watches; else parameters without hooks (a hook would be called once more)
+        leaves = [c for c in copies if c.requires_grad] or [
+            p for p in call.state if p.requires_grad and not p._backward_hooks
+            and not getattr(p, "_post_accumulate_grad_hooks", None)]
+        if plan.training and targets and leaves:
+            generator = torch.Generator().manual_seed(UPSTREAM_SEED)
+            upstream = [torch.randn(t.shape, generator=generator, dtype=t.dtype).to(t.device) for t in targets]
+            torch.autograd.grad(targets, leaves, upstream, allow_unused=True)
+    except MemplanError:
+        raise  # memplan's own refusals (a higher-order gradient, a backward under autocast) say what to do
+    except Exception as exc:  # noqa: BLE001 - a failure of the plan, answered by running eagerly
+        if _raised_by_user_code(exc):
+            return None
+        return exc
+    finally:
+        rng.restore()
+        with torch.no_grad():
+            for i, value in zip(changed, before):
+                call.state[i].copy_(value)
+    return None
 
 
 def _skip(why: str) -> None:

@@ -296,3 +296,54 @@ def test_planning_interrupted_after_capture_keeps_no_half_built_plan(monkeypatch
     assert_equivalent(reference, opt, X)  # the same signature plans again
     assert_equivalent(reference, opt, torch.randn(7, 4))  # and a new one plans as usual
     assert opt.plans_built == 2
+
+
+def _plans_whose_backward_raises(monkeypatch) -> None:
+    """Every plan built from now on fails in its backward, as a plan with a fault of memplan's would."""
+    import dataclasses
+
+    build = memplan.api.OptimizedModule._build_plan
+
+    def broken(self, *args, **kwargs):
+        plan = build(self, *args, **kwargs)
+
+        def raising(arguments):  # fails inside torch, as a wrong plan's op would (not a raise of the user's)
+            grad, saved = torch.ones(3), torch.ones(3, dtype=torch.bfloat16)
+            return torch.ops.aten._softmax_backward_data(grad, saved, 0, torch.float32)
+
+        return dataclasses.replace(plan, emitted=dataclasses.replace(plan.emitted, run_backward=raising))
+
+    monkeypatch.setattr(memplan.api.OptimizedModule, "_build_plan", broken)
+
+
+def test_under_fallback_eager_a_plan_that_fails_its_first_run_runs_eagerly(monkeypatch):
+    # fallback="eager" covered capture only: a plan that raised in its first backward (autocast's
+    # mixed dtypes, once) reached the user's training run, after the forward had already returned
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(6, 4)
+    _plans_whose_backward_raises(monkeypatch)
+    with pytest.raises(RuntimeError, match="BFloat16|Float"):
+        memplan.optimize(model)(x.requires_grad_()).sum().backward()
+    opt = memplan.optimize(model, fallback="eager")
+    with pytest.warns(UserWarning, match=r"runs this input signature eagerly .*raised RuntimeError on a trial run"):
+        assert_equivalent(model, opt, x)
+    assert opt.plans_built == 1
+    assert_equivalent(model, opt, x)  # the signature stays eager, without another warning or plan
+    assert opt.plans_built == 1
+
+
+def test_the_trial_run_of_fallback_eager_draws_and_updates_as_eager_does():
+    # the trial runs the plan once on copies before the call: dropout's draws and the batch norm's
+    # running statistics must still be those of one eager call
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 2))
+    reference = copy.deepcopy(model)
+    opt = memplan.optimize(model, fallback="eager")
+    x = torch.randn(6, 8)
+    torch.manual_seed(3)
+    planned = opt(x)
+    torch.manual_seed(3)
+    eager = reference(x)
+    torch.testing.assert_close(planned, eager)
+    torch.testing.assert_close(model[1].running_mean, reference[1].running_mean)
+    assert model[1].num_batches_tracked == reference[1].num_batches_tracked == 1
