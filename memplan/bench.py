@@ -85,6 +85,16 @@ class BenchRow:
         return out
 
 
+def _times(ratio: float) -> str:
+    """``"26.9x"``, ``"1234x"``: a ratio in at most six characters."""
+    return f"{ratio:.1f}x" if ratio < 100 else f"{ratio:.0f}x"
+
+
+def _compact(nbytes: int) -> str:
+    """``"54.26MiB"``: :func:`format_bytes` without the space, for narrow tables."""
+    return format_bytes(nbytes).replace(" ", "")
+
+
 @dataclasses.dataclass(frozen=True)
 class BenchResult:
     rows: tuple[BenchRow, ...]
@@ -99,6 +109,9 @@ class BenchResult:
         }
 
     def __rich__(self) -> Any:
+        """The table, one line per row within 100 columns: peaks without the space before the unit, a
+        workload's name once for its rows, and what each column means in the caption."""
+        from rich import box
         from rich.table import Table
 
         optimized = any(row.optimized is not None for row in self.rows)
@@ -107,36 +120,44 @@ class BenchResult:
         title = f"memplan bench on {self.device_name} (torch {self.torch_version})"
         if optimized:
             title += f"; memplan pipeline: {pipeline or '(empty)'}"
-        table = Table(title=title, title_justify="left")
-        columns = ["workload", "mode", "eager peak", "predicted", "pred/meas"]
+        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1), collapse_padding=True)
+        columns = ["workload", "mode", "eager", "pred"]
         if optimized:
-            columns += ["memplan peak", "x lower", "time ratio"]
+            columns += ["memplan", "lower", "time"]
         if baselines:
-            columns += ["hand-written peak", "x lower ", "hand time"]
-        columns += ["plan s", "eager ms"]
+            columns += ["by hand", "lower ", "time "]
+        columns += ["plan s"]
         for column in columns:
-            table.add_column(column, justify="left" if column in ("workload", "mode") else "right")
+            table.add_column(column, justify="left" if column in ("workload", "mode") else "right", no_wrap=True)
+        previous = None
         for row in self.rows:
             ratio = row.prediction_ratio
             style = "green" if abs(ratio - 1) <= 0.05 else "red"
-            cells = [row.workload, row.mode, format_bytes(row.measured), format_bytes(row.predicted), f"[{style}]{ratio:.3f}[/{style}]"]
+            name = row.workload if row.workload != previous else ""
+            previous = row.workload
+            cells = [name, row.mode, _compact(row.measured), f"[{style}]{ratio:.3f}[/{style}]"]
             if optimized:
                 if row.optimized is None:
                     cells += ["-", "-", "-"]
                 else:
-                    cells += [format_bytes(row.optimized), f"{row.reduction:.2f}x", f"{row.time_ratio:.2f}"]
+                    cells += [_compact(row.optimized), _times(row.reduction), f"{row.time_ratio:.2f}"]
             if baselines:
                 if row.baseline_peak is None:
                     cells += ["-", "-", "-"]
                 else:
-                    cells += [format_bytes(row.baseline_peak), f"{row.baseline_reduction:.2f}x", f"{row.baseline_time_ratio:.2f}"]
-            cells += [f"{row.plan_seconds:.2f}", f"{row.eager_seconds * 1e3:.1f}"]
+                    cells += [_compact(row.baseline_peak), _times(row.baseline_reduction), f"{row.baseline_time_ratio:.2f}"]
+            seconds = row.plan_seconds
+            cells += [f"{seconds:.2f}" if seconds < 10 else f"{seconds:.1f}" if seconds < 100 else f"{seconds:.0f}"]
             table.add_row(*cells)
+        notes = ["eager: eager's measured peak; pred: predicted / measured"]
+        if optimized:
+            notes.append("memplan: the plan's measured peak, lower: eager's / it, time: its step time / eager's")
         if baselines:
-            table.caption = "hand-written: " + "; ".join(
-                f"{row.workload}: {row.baseline}" for row in self.rows if row.baseline_peak is not None
-            )
-            table.caption_justify = "left"
+            notes.append("by hand: " + "; ".join(
+                f"{row.workload}: {row.baseline}" for row in self.rows if row.baseline_peak is not None and row.mode == "train"))
+        notes.append("plan s: seconds to predict (eager) or plan (memplan); --json for every figure, step times too")
+        table.caption = "\n".join(notes)
+        table.caption_justify = "left"
         return table
 
 

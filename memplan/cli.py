@@ -48,7 +48,7 @@ def _bench(args: argparse.Namespace) -> int:
     else:
         out = Console()
         if not out.is_terminal:  # piped or redirected: rich would squeeze the table into 80 columns
-            out = Console(width=max(out.width, 200))
+            out = Console(width=max(out.width, 100))
         out.print(result)
     if args.check:
         bad = [r for r in result.rows if abs(r.prediction_ratio - 1) > 0.05]

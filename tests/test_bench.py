@@ -82,3 +82,24 @@ def test_cli_says_a_capture_error_in_one_line(tmp_path, capsys):
     assert err.startswith("memplan analyze: CaptureError:") and "Traceback" not in err and "bad.py:4" in err
     with pytest.raises(SystemExit, match="no such directory"):
         main(["report", f"{tmp_path / 'bad.py'}:make", "--out", str(tmp_path / "missing" / "r.html")])
+
+
+def test_the_bench_table_reads_at_100_columns():
+    # the table took 160 columns: piped into a log, each row wrapped over several lines
+    from rich.console import Console
+
+    from memplan.bench import BenchResult, BenchRow
+
+    # the widest figures a run gives: a report's full size on a GPU, a plan thousands of times lower
+    rows = [BenchRow(name, mode, "full", "cuda:0", 987 * 2**30 + 12345, 986 * 2**30, 123.45, 0.5, "default",
+                     345 * 2**20, 345 * 2**20, 0.61, "the baseline", 456 * 2**20 if mode == "train" else None,
+                     0.7 if mode == "train" else None)
+            for name in ("chain_product", "broadcast_matmul", "maxsim", "latent_gru", "seq2seq")
+            for mode in ("train", "infer")]
+    console = Console(width=100, record=True)
+    console.print(BenchResult(tuple(rows), "2.13.0+cpu", "NVIDIA H100 80GB HBM3 (cuda:0)"))
+    lines = console.export_text().splitlines()
+    assert all(len(line.rstrip()) <= 100 for line in lines)
+    table = [line for line in lines if "MiB" in line or "GiB" in line or "TiB" in line]
+    assert len(table) == len(rows) and not any("…" in line for line in table)  # one line a row, nothing cut
+    assert "broadcast_matmul" in "\n".join(table) and "2930x" in table[0]
