@@ -126,7 +126,7 @@ class BenchResult:
             columns += ["memplan", "lower", "time"]
         if baselines:
             columns += ["by hand", "lower ", "time "]
-        columns += ["plan s"]
+        columns += ["plan"]
         for column in columns:
             table.add_column(column, justify="left" if column in ("workload", "mode") else "right", no_wrap=True)
         previous = None
@@ -155,7 +155,7 @@ class BenchResult:
         if baselines:
             notes.append("by hand: " + "; ".join(
                 f"{row.workload}: {row.baseline}" for row in self.rows if row.baseline_peak is not None and row.mode == "train"))
-        notes.append("plan s: seconds to predict (eager) or plan (memplan); --json for every figure, step times too")
+        notes.append("plan: seconds to predict (eager) or plan (memplan); --json for every figure, step times too")
         table.caption = "\n".join(notes)
         table.caption_justify = "left"
         return table
