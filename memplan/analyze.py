@@ -1,8 +1,9 @@
 """``memplan.analyze``: where memory goes in a model, predicted before anything big runs.
 
 The result bundles the captured graph with its analyses (tensors, liveness, saved-for-backward and the
-simulated timeline) and explains the peak (:mod:`memplan.analysis.explain`): the tensors alive there,
-largest first, each with the op that made it, the user's source line, and why it is still alive. It
+simulated timeline) and explains the peak (:mod:`memplan.analysis.explain`): what is alive there by kind,
+layer and line, what would lower it, and the tensors alive there, largest first, each with the op that
+made it, the user's source line, and why it is still alive. It
 sits above the analyses and the report, as :mod:`memplan.api` does, since it hands out both.
 """
 
@@ -69,7 +70,8 @@ class MemoryAnalysis:
         return build_report(self.graph, title=title, parameter_bytes=parameter_bytes(self.graph))
 
     def explain(self, top: int = 10) -> Explanation:
-        """The tensors alive at the peak, largest first, with why each is alive."""
+        """What is alive at the peak: summed by kind, by layer (module path) and by source line, a one-line
+        diagnosis of what would lower it, then the ``top`` largest tensors with why each is alive."""
         known = {Tensors: self.tensors, Liveness: self.liveness, SavedForBackward: self.saved,
                  PeakSimulation: self.simulation}
         return explain_peak(self.graph, AnalysisManager(self.graph, known), top)

@@ -174,6 +174,14 @@ class CapturedGraph:
         Node name to forward/backward, for every ``call_function`` node.
     sources : Mapping[str, SourceLine]
         Node name to the user's source line, where one is known.
+    library_sources : Mapping[str, SourceLine]
+        Node name to the line of torch's beneath the user's line (the innermost frame of a public torch
+        module, such as ``nn/modules/activation.py`` for ``nn.GELU``), where the op ran inside torch.
+    modules : Mapping[str, str]
+        Node name to the qualified name of the innermost module of the model whose call (its forward or
+        a hook) ran the op: ``"encoder.layers.1.mlp.act"``, ``""`` for the model itself. Absent for an op
+        outside the model's modules (the loss of the ``"sum"`` seed, a function's ops) and for nodes passes
+        create.
     seq_nr : Mapping[str, int]
         Node name to autograd sequence number (backward nodes share it with their forward op).
     inputs, outputs : tuple
@@ -199,6 +207,8 @@ class CapturedGraph:
     autocast_in_backward: str | None = None
     static_inputs: tuple[tuple[str, Any], ...] = ()
     lifetimes: str = "eager"
+    library_sources: Mapping[str, SourceLine] = dataclasses.field(default_factory=dict)
+    modules: Mapping[str, str] = dataclasses.field(default_factory=dict)
     _by_name: dict[str, torch.fx.Node] = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -271,6 +281,20 @@ def _user_line_from_traceback(frames: traceback.StackSummary) -> SourceLine | No
 _MACHINERY = frozenset({"fx", "utils", "autograd", "overrides.py", os.path.join("nn", "modules", "module.py")})
 
 
+def _public_torch_path(filename: str) -> str | None:
+    """``"nn/modules/linear.py"``: the path, relative to torch's directory, of a file of a public torch module
+    (``nn/modules``, ``nn/functional.py``; not ``_subclasses``, ``fx`` or the module call machinery), None
+    for any other file: a frame there is a layer or function of torch's the user called."""
+    path = os.path.abspath(filename)
+    if not path.startswith(_TORCH_DIR + os.sep):
+        return None
+    relative = os.path.relpath(path, _TORCH_DIR)
+    parts = relative.split(os.sep)
+    if parts[0] in _MACHINERY or relative in _MACHINERY or any(part.startswith("_") for part in parts):
+        return None
+    return relative
+
+
 def _library_line_from_traceback(frames: traceback.StackSummary) -> SourceLine | None:
     """The innermost frame, below the user's last one (if any), in a public torch module (``nn/modules/batchnorm.py``,
     not ``_subclasses`` or ``fx``): where a layer the user called did what failed (BatchNorm with
@@ -280,14 +304,9 @@ def _library_line_from_traceback(frames: traceback.StackSummary) -> SourceLine |
         if is_user_frame(frame.filename):
             found = None
             continue
-        path = os.path.abspath(frame.filename)
-        if not path.startswith(_TORCH_DIR + os.sep):
-            continue
-        relative = os.path.relpath(path, _TORCH_DIR)
-        parts = relative.split(os.sep)
-        if parts[0] in _MACHINERY or relative in _MACHINERY or any(part.startswith("_") for part in parts):
-            continue
-        found = SourceLine(relative, frame.lineno or 0, frame.name, (frame.line or "").strip())
+        relative = _public_torch_path(frame.filename)
+        if relative is not None:
+            found = SourceLine(relative, frame.lineno or 0, frame.name, (frame.line or "").strip())
     return found
 
 
@@ -644,7 +663,7 @@ def capture(
     # graph's size. Tensors are freed by reference counting, which is what the recorder reads.
     # The GraphModule is lazy: its Python code is generated when first run or read, not twice here
     # (once traced, then again after the placeholders are renamed).
-    recorder = _Recorder(stop=traced_body.__code__)
+    recorder = _Recorder(stop=traced_body.__code__, module_names=_module_names(model))
     tracer = Tracer(new_fake_mode(), observer=recorder)
     recorder.graph = tracer.graph
     TRACING.acquire()  # released below, after the collector's state is put back
@@ -706,6 +725,8 @@ def capture(
         n_user=n_user,
         released=recorder.released_after,
         recorded_sources=recorder.sources,
+        recorded_library_sources=recorder.library_sources,
+        recorded_modules=recorder.modules,
         differentiable=out_spec_box["differentiable"],
         dense_tangents=out_spec_box.get("dense_tangents", set()),
         broadcast_together=out_spec_box.get("broadcast_together", False),
@@ -844,8 +865,33 @@ def _refuse_random_recomputation(graph: "CapturedGraph") -> None:
             )
 
 
+# What a frame of the traced code is, per code object (see _Recorder._where).
+_OTHER_FRAME, _USER_FRAME, _TORCH_FRAME, _MODULE_CALL_FRAME = range(4)
+# ``nn.Module.__call__``: its frame's ``self`` is the module being called, through its forward and its hooks.
+_MODULE_CALL = nn.Module._wrapped_call_impl.__code__
+
+
+def _frame_kind(code: Any) -> int:
+    """Which of the kinds above a frame running ``code`` is."""
+    if code is _MODULE_CALL:
+        return _MODULE_CALL_FRAME
+    if is_user_frame(code.co_filename):
+        return _USER_FRAME
+    if _public_torch_path(code.co_filename) is not None:
+        return _TORCH_FRAME
+    return _OTHER_FRAME
+
+
+def _module_names(model: Any) -> dict[int, str]:
+    """``id(module) -> qualified name`` of every module of ``model`` (``""`` for itself), the first name of a
+    module registered twice; empty for a function."""
+    if not isinstance(model, nn.Module):
+        return {}
+    return {id(module): name for name, module in model.named_modules()}
+
+
 class _Recorder:
-    """Watches the trace: the user's line of each forward op, and when Python releases each storage.
+    """Watches the trace: where each forward op ran, and when Python releases each storage.
 
     Called by the tracer after each op the traced code runs. Release: the fake trace runs the user's
     Python exactly as eager would, so a traced tensor object dies when the eager one would: when its
@@ -854,43 +900,84 @@ class _Recorder:
     (``_storage_key``), as ``StorageWeakRef`` compares them; the graph's fake values keep every traced
     storage alive, so its address is not reused while the trace runs.
 
-    Source lines: the innermost user frame below ``stop`` (the traced body), found by walking frames;
-    much cheaper than formatting a whole stack per node, and backward nodes get theirs by ``seq_nr``.
+    Where an op ran, from one walk of the frames below ``stop`` (the traced body), innermost first, much
+    cheaper than formatting a whole stack per node (backward nodes get theirs by ``seq_nr``): the user's
+    line (the innermost user frame), the line of torch's beneath it (the innermost frame of a public torch
+    module, ``nn/modules/linear.py``), and the innermost module of the model being called. A module is
+    read from the frame of ``nn.Module.__call__`` (``self``), which runs its forward and its hooks; its
+    locals are the module and the call's arguments, never rebound, so reading them (``f_locals`` keeps a
+    copy of a frame's locals until the frame ends) keeps nothing alive longer. A user frame's ``self`` is
+    never read: its copy would hold a tensor its variable was rebound from, and delay the release
+    recorded above. The kind of a frame is cached per code object, and each line's :class:`SourceLine`
+    per code object and line number, so an unrolled loop pays a few dictionary lookups per frame.
     """
 
-    def __init__(self, stop: Any):
+    def __init__(self, stop: Any, module_names: Mapping[int, str] | None = None):
         self.graph: torch.fx.Graph | None = None
         self.stop = stop
         self.alive: dict[int, int] = {}
         self.released_after: dict[int, str] = {}
         self.sources: dict[str, SourceLine] = {}
+        self.library_sources: dict[str, SourceLine] = {}
+        self.modules: dict[str, str] = {}
         self.in_backward = False
-        self._user_file: dict[str, bool] = {}
+        self._module_names = module_names or {}
+        self._kinds: dict[Any, int] = {}
+        self._lines: dict[tuple[Any, int], SourceLine] = {}
         self._watches: dict[int, weakref.ref] = {}
 
-    def _user_line(self) -> SourceLine | None:
+    def _line(self, frame: Any) -> SourceLine:
+        code, lineno = frame.f_code, frame.f_lineno
+        line = self._lines.get((code, lineno))
+        if line is None:
+            text = linecache.getline(code.co_filename, lineno).strip()
+            line = self._lines[(code, lineno)] = SourceLine(code.co_filename, lineno, code.co_name, text)
+        return line
+
+    def _where(self) -> tuple[SourceLine | None, SourceLine | None, str | None]:
+        """``(user line, torch line beneath it, module path)`` of the op being traced (each None if none)."""
         frame = sys._getframe(2)
-        while frame is not None and frame.f_code is not self.stop:
-            filename = frame.f_code.co_filename
-            user = self._user_file.get(filename)
-            if user is None:
-                user = self._user_file[filename] = is_user_frame(filename)
-            if user:
-                lineno = frame.f_lineno
-                code = linecache.getline(filename, lineno).strip()
-                return SourceLine(filename, lineno, frame.f_code.co_name, code)
+        user = torch_line = module = None
+        find_module = bool(self._module_names)
+        kinds = self._kinds
+        while frame is not None:
+            code = frame.f_code
+            if code is self.stop:
+                break
+            kind = kinds.get(code)
+            if kind is None:
+                kind = kinds[code] = _frame_kind(code)
+            if kind == _USER_FRAME:
+                if user is None:
+                    user = self._line(frame)
+                    if module is not None or not find_module:
+                        break
+            elif kind == _MODULE_CALL_FRAME:
+                if find_module:
+                    name = self._module_names.get(id(frame.f_locals.get("self")))
+                    if name is not None:
+                        module, find_module = name, False
+                        if user is not None:
+                            break
+            elif kind == _TORCH_FRAME and user is None and torch_line is None:
+                torch_line = self._line(frame)
             frame = frame.f_back
-        return None
+        return user, torch_line, module
 
     def __call__(self, last: torch.fx.Node, out: Any) -> None:
         root = self.graph._root
         if not self.in_backward and root.prev is not last:
-            line = self._user_line()
-            if line is not None:
-                node = last.next
-                while node is not root:
-                    self.sources[node.name] = line
-                    node = node.next
+            user, torch_line, module = self._where()
+            node = last.next
+            while node is not root:
+                name = node.name
+                if user is not None:
+                    self.sources[name] = user
+                if torch_line is not None:
+                    self.library_sources[name] = torch_line
+                if module is not None:
+                    self.modules[name] = module
+                node = node.next
         self._watch_all(out)
 
     def _watch_all(self, out: Any) -> None:
@@ -1727,6 +1814,8 @@ def _build_captured(
     released: Mapping[int, str],
     differentiable: Sequence[bool],
     recorded_sources: Mapping[str, SourceLine],
+    recorded_library_sources: Mapping[str, SourceLine] | None = None,
+    recorded_modules: Mapping[str, str] | None = None,
     dense_tangents: AbstractSet[int] = frozenset(),
     broadcast_together: bool = False,
     autocast_in_backward: str | None = None,
@@ -1751,7 +1840,12 @@ def _build_captured(
     phases: dict[str, Phase] = {}
     seq_nr: dict[str, int] = {}
     sources: dict[str, SourceLine] = {}
-    forward_source_by_seq: dict[int, SourceLine] = {}
+    library_sources: dict[str, SourceLine] = {}
+    modules: dict[str, str] = {}
+    recorded_library_sources = recorded_library_sources or {}
+    recorded_modules = recorded_modules or {}
+    # per sequence number, the first of its forward ops' user lines, torch lines and modules
+    forward_by_seq: tuple[dict[int, Any], ...] = ({}, {}, {})
     released_after: dict[str, str] = {}
     phase = Phase.FORWARD
     for node in gm.graph.nodes:
@@ -1765,17 +1859,22 @@ def _build_captured(
         # output_mask); the trace records no value for the getitem reading it. Its value is None.
         value = meta.setdefault("val", None)
         phases[name] = phase
-        # The user's line: a forward node's as recorded, a backward node's that of the forward op
-        # with its autograd sequence number.
+        # The user's line, torch's line and the module: a forward node's as recorded, a backward node's
+        # those of the forward op with its autograd sequence number.
         if phase is Phase.FORWARD:
-            line = recorded_sources.get(name)
-            if line is not None:
-                sources[name] = line
-                forward_source_by_seq.setdefault(seq_nr.get(name, -1), line)
+            where = (recorded_sources.get(name), recorded_library_sources.get(name), recorded_modules.get(name))
+            for found, by_seq in zip(where, forward_by_seq):
+                if found is not None:
+                    by_seq.setdefault(seq_nr.get(name, -1), found)
         else:
-            line = forward_source_by_seq.get(seq_nr.get(name, -2))
-            if line is not None:
-                sources[name] = line
+            where = tuple(by_seq.get(seq_nr.get(name, -2)) for by_seq in forward_by_seq)
+        line, library_line, module = where
+        if line is not None:
+            sources[name] = line
+        if library_line is not None:
+            library_sources[name] = library_line
+        if module is not None:
+            modules[name] = module
         # Python's release of the storage the node created. A node of several tensors has none of its own:
         # each of its storages is released when Python drops that tensor, which the node's getitem of it
         # records (embedding_bag's offsets die inside F.embedding_bag, its result lives on).
@@ -1808,6 +1907,8 @@ def _build_captured(
         training=train,
         phases=phases,
         sources=sources,
+        library_sources=library_sources,
+        modules=modules,
         seq_nr=seq_nr,
         inputs=inputs,
         outputs=tuple(outputs),

@@ -61,7 +61,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _analyze(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    import memplan.examples as examples
+    from memplan.analysis.explain_text import torch_line
     from memplan.analyze import analyze
 
     name, model, inputs = load_target(args.workload, size=args.size, device=args.device)
@@ -74,10 +74,22 @@ def _analyze(args: argparse.Namespace) -> int:
             "peak": result.peak,
             "saved_for_backward": result.saved.nbytes,
             "peak_node": explanation.peak_node,
+            "diagnosis": explanation.diagnosis,
+            "kinds": [{"kind": k.kind, "count": k.count, "bytes": k.nbytes, "in_peak": k.share is not None}
+                      for k in explanation.kinds],
+            "modules": [{"module": m.path, "depth": m.depth, "count": m.count, "bytes": m.nbytes}
+                        for m in explanation.modules],
+            "lines": [
+                {"source": str(line.source) if line.source else None,
+                 "library_source": torch_line(line.library_source) if line.library_source else None,
+                 "count": line.count, "bytes": line.nbytes}
+                for line in explanation.lines
+            ],
             "tensors": [
                 {
                     "bytes": t.nbytes, "shape": list(t.shape), "dtype": str(t.dtype), "op": t.op, "node": t.node,
                     "source": str(t.source) if t.source else None, "reason": t.reason, "provenance": t.provenance,
+                    "module": t.module, "kind": t.kind,
                 }
                 for t in explanation.tensors
             ],

@@ -212,7 +212,7 @@ class _NotRebuilt(Exception):
 
 
 class GraphEditor:
-    """Edits ``graph.gm`` in place and tracks phases, sources and sequence numbers of new nodes.
+    """Edits ``graph.gm`` in place and tracks phases, sources, modules and sequence numbers of new nodes.
 
     Examples
     --------
@@ -231,6 +231,8 @@ class GraphEditor:
         self.gm = graph.gm
         self.phases = dict(graph.phases)
         self.sources = dict(graph.sources)
+        self.library_sources = dict(graph.library_sources)
+        self.modules = dict(graph.modules)
         self.seq_nr = dict(graph.seq_nr)
         self.changed = False
 
@@ -247,7 +249,7 @@ class GraphEditor:
         name: str | None = None,
         value: Any = None,
     ) -> torch.fx.Node:
-        """Insert ``target(*args, **kwargs)``; its phase and source come from ``like`` unless given.
+        """Insert ``target(*args, **kwargs)``; its phase, source and module come from ``like`` (phase unless given).
 
         ``value``: its fake value when the caller knows it (an in-place op's is its ``self``'s), which
         saves running the op under the fake mode; by default the op runs.
@@ -276,12 +278,16 @@ class GraphEditor:
     def _inherit(self, node: torch.fx.Node, like: torch.fx.Node | None, phase: Phase | None) -> None:
         if like is not None:
             self.phases[node.name] = phase or self.phases.get(like.name, Phase.FORWARD)
-            if like.name in self.sources:
-                self.sources[node.name] = self.sources[like.name]
-            if like.name in self.seq_nr:
-                self.seq_nr[node.name] = self.seq_nr[like.name]
+            self.inherit_origin(node, like)
         else:
             self.phases[node.name] = phase or Phase.FORWARD
+
+    def inherit_origin(self, node: torch.fx.Node, like: torch.fx.Node) -> None:
+        """Give ``node`` the user line, torch line, module and sequence number of ``like`` (what it copies
+        or stands for), so reports name the same layer and line for both."""
+        for names in (self.sources, self.library_sources, self.modules, self.seq_nr):
+            if like.name in names:
+                names[node.name] = names[like.name]
 
     def erase(self, node: torch.fx.Node) -> None:
         self.gm.graph.erase_node(node)
@@ -298,5 +304,7 @@ class GraphEditor:
             self.graph,
             phases={k: v for k, v in self.phases.items() if k in live},
             sources={k: v for k, v in self.sources.items() if k in live},
+            library_sources={k: v for k, v in self.library_sources.items() if k in live},
+            modules={k: v for k, v in self.modules.items() if k in live},
             seq_nr={k: v for k, v in self.seq_nr.items() if k in live},
         )

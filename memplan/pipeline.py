@@ -832,6 +832,7 @@ def _snapshot(graph: CapturedGraph) -> CapturedGraph:
     the graph the pipeline rolls back to)."""
     copied = copy_graph(graph)
     return dataclasses.replace(copied, phases=dict(graph.phases), sources=dict(graph.sources),
+                               library_sources=dict(graph.library_sources), modules=dict(graph.modules),
                                seq_nr=dict(graph.seq_nr), released_after=dict(graph.released_after))
 
 
@@ -889,7 +890,7 @@ def _holders(result: PipelineResult | None, top: int = 3) -> tuple[str, ...]:
     user's line: what keeps the smallest reachable peak where it is."""
     if result is None:
         return ()
-    explanation = explain_peak(result.graph, result.graph_analyses(), top=top)
+    explanation = explain_peak(result.graph, result.graph_analyses(), top=top, groups=False)
     return tuple(
         f"{format_bytes(row.nbytes)} of `{row.op}` ({row.reason}" + (f", {row.source}" if row.source else "") + ")"
         for row in explanation.tensors
@@ -933,6 +934,8 @@ def save_reproducer(graph: CapturedGraph, pipeline: str, path: str | pathlib.Pat
         "lifetimes": graph.lifetimes,
         "phases": {k: v.value for k, v in graph.phases.items()},
         "sources": {k: dataclasses.asdict(v) for k, v in graph.sources.items()},
+        "library_sources": {k: dataclasses.asdict(v) for k, v in graph.library_sources.items()},
+        "modules": dict(graph.modules),
         "seq_nr": dict(graph.seq_nr),
         "inputs": [dataclasses.asdict(s) for s in graph.inputs],
         "outputs": [dataclasses.asdict(s) for s in graph.outputs],
@@ -969,6 +972,8 @@ def load_reproducer(path: str | pathlib.Path) -> tuple[CapturedGraph, str]:
         training=meta["training"],
         phases={k: Phase(v) for k, v in meta["phases"].items()},
         sources={k: SourceLine(**v) for k, v in meta["sources"].items()},
+        library_sources={k: SourceLine(**v) for k, v in meta.get("library_sources", {}).items()},
+        modules=dict(meta.get("modules", {})),
         seq_nr=meta["seq_nr"],
         inputs=tuple(InputSpec(**s) for s in meta["inputs"]),
         outputs=tuple(OutputSpec(**s) for s in meta["outputs"]),

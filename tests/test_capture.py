@@ -1040,3 +1040,48 @@ def test_a_backward_inside_the_autocast_block_is_eagers_or_refused():
         eager, planned = _autocast_step(mlp, x, backward_inside=inside), _autocast_step(opt, x, backward_inside=inside)
         for a, b in zip(planned, eager, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class Hooked(nn.Module):
+    """Ops in a submodule's forward, in its forward hook, and in the model's own forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.GELU())
+        self.body[0].register_forward_hook(lambda module, args, out: out * 2)
+        self.scale = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return self.body(x) * self.scale
+
+
+def test_modules_name_the_innermost_module_running_each_op():
+    g = capture(Hooked(), torch.randn(4, 8))
+    named = [(packet_name(n), g.modules.get(n.name)) for n in g.gm.graph.nodes
+             if g.phases.get(n.name) is Phase.FORWARD and packet_name(n) in ("addmm", "mul", "gelu", "sum")]
+    # the hook runs inside body.0's call; the loss of the "sum" seed is outside the model
+    assert named == [("addmm", "body.0"), ("mul", "body.0"), ("gelu", "body.1"), ("mul", ""), ("sum", None)]
+    by_op = {packet_name(n): n.name for n in g.gm.graph.nodes if g.phases.get(n.name) is Phase.BACKWARD}
+    assert g.modules[by_op["gelu_backward"]] == "body.1"  # a backward op inherits its forward op's module
+    # torch's line beneath the user's: nn.Linear's forward for addmm, none for the model's own mul
+    addmm = next(n.name for n in g.gm.graph.nodes if packet_name(n) == "addmm")
+    assert g.library_sources[addmm].filename.endswith(os.path.join("torch", "nn", "modules", "linear.py"))
+    assert g.sources[addmm].filename == __file__
+    root_mul = [name for name, path in g.modules.items() if path == ""]
+    assert root_mul and not any(name in g.library_sources for name in root_mul)
+    assert capture(lambda x: x.exp(), torch.randn(3), train=False).modules == {}  # a function has no modules
+
+
+def test_copies_of_the_graph_keep_modules_and_torch_lines(tmp_path):
+    from memplan.graphutil import GraphEditor, copy_graph
+    from memplan.pipeline import _snapshot, load_reproducer, save_reproducer
+
+    g = capture(Hooked(), torch.randn(4, 8))
+    assert g.modules and g.library_sources
+    for copied in (copy_graph(g), _snapshot(g), load_reproducer(save_reproducer(g, "", tmp_path / "r"))[0]):
+        assert copied.modules == g.modules and copied.library_sources == g.library_sources
+    # a node a pass makes like another gets its module and lines
+    editor = GraphEditor(copy_graph(g))
+    gelu = next(n for n in editor.gm.graph.nodes if packet_name(n) == "gelu")
+    neg = editor.call(torch.ops.aten.neg.default, (gelu,), like=gelu, after=gelu)
+    assert editor.finish().modules[neg.name] == "body.1"

@@ -1,5 +1,6 @@
-"""Why memory peaks where it does: the tensors alive at the peak, largest first, each with the op that
-made it, the user's source line, and why it is still alive.
+"""Why memory peaks where it does: what is alive at the peak in groups (by kind, by layer, by the user's
+line; :mod:`memplan.analysis.groups`) with a one-line diagnosis, then the tensors alive there, largest
+first, each with the op that made it, the user's source line, and why it is still alive.
 
 It reads a graph's analyses (tensors, liveness, saved-for-backward and the simulated timeline), so
 :func:`memplan.analyze` explains a model as written, the pipeline names what holds a budget it cannot
@@ -14,6 +15,10 @@ from typing import Any
 import torch
 
 from memplan.analysis.autograd import SavedForBackward
+from memplan.analysis.explain_text import render_lines
+from memplan.analysis.groups import (
+    KindShare, LineShare, ModuleShare, PeakGroups, StorageOrigin, group_peak, storage_origins,
+)
 from memplan.analysis.liveness import Liveness
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation
@@ -50,11 +55,16 @@ class PeakTensor:
     source: SourceLine | None
     reason: str
     provenance: str | None
+    module: str | None = None  # the module path of the op that made it (see memplan.analysis.groups)
+    kind: str | None = None  # one of memplan.analysis.groups.KINDS
+    library_source: SourceLine | None = None  # torch's line beneath ``source``
 
 
 @dataclasses.dataclass(frozen=True)
 class Explanation:
-    """The tensors alive at the peak, largest first. Render with rich or ``str``."""
+    """What is alive at the peak: in groups (by kind, by layer, by line) with a diagnosis, then the
+    largest tensors one by one. Render with rich (it fits the console's width) or ``str`` (80 columns);
+    :meth:`render` takes a width."""
 
     peak: int
     peak_node: str | None
@@ -62,53 +72,46 @@ class Explanation:
     peak_phase: str | None
     tensors: tuple[PeakTensor, ...]
     rest_bytes: int  # bytes alive at the peak in tensors not listed
+    kinds: tuple[KindShare, ...] = ()
+    modules: tuple[ModuleShare, ...] = ()
+    lines: tuple[LineShare, ...] = ()
+    diagnosis: str | None = None
 
     def __str__(self) -> str:
-        lines = [self._headline()]
-        for t in self.tensors:
-            share = t.nbytes / self.peak if self.peak else 0.0
-            where = f" at {t.source}" if t.source else ""
-            lines.append(f"  {format_bytes(t.nbytes):>11} {share:6.1%}  {t.op}{list(t.shape)} {t.dtype}{where}")
-            if t.provenance:
-                lines.append(f"{'':22}{t.provenance}")
-            lines.append(f"{'':22}alive because: {t.reason}")
-        if self.rest_bytes:
-            lines.append(f"  {format_bytes(self.rest_bytes):>11} in smaller tensors")
-        return "\n".join(lines)
+        return self.render()
+
+    def render(self, width: int = 80, rows: int = 10) -> str:
+        """The explanation as text no wider than ``width`` columns (at least 60), at most ``rows`` layers
+        and ``rows`` lines (the tensors are those ``explain(top=...)`` kept)."""
+        return "\n".join(text for text, _ in render_lines(self, max(width, 60), rows))
 
     def _headline(self) -> str:
         if self.peak_node is None:
             return "no memory is allocated"
         return f"peak {format_bytes(self.peak)} during {self.peak_phase}, at {self.peak_op} ({self.peak_node})"
 
-    def __rich__(self) -> Any:
-        from rich.table import Table
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        from rich.text import Text
 
-        table = Table(title=self._headline(), title_justify="left")
-        for column in ("bytes", "share", "tensor", "made by", "source line", "alive because"):
-            table.add_column(column, overflow="fold")
-        for t in self.tensors:
-            share = f"{t.nbytes / self.peak:.1%}" if self.peak else "-"
-            made_by = t.op if not t.provenance else f"{t.op}: {t.provenance}"
-            table.add_row(
-                format_bytes(t.nbytes), share, f"{list(t.shape)} {str(t.dtype).replace('torch.', '')}",
-                made_by, str(t.source or "-"), t.reason,
-            )
-        if self.rest_bytes:
-            table.add_row(format_bytes(self.rest_bytes), f"{self.rest_bytes / self.peak:.1%}", "smaller tensors", "", "", "")
-        return table
+        for text, style in render_lines(self, max(min(options.max_width, 160), 60), 10):
+            yield Text(text, style=style or "", no_wrap=True, overflow="ellipsis")
 
 
-def explain_peak(graph: CapturedGraph, am: AnalysisManager | None = None, top: int = 10) -> Explanation:
-    """The tensors alive at the peak of ``graph``, largest first, with why each is alive. ``am``: the
-    analyses of ``graph`` the caller already has."""
+def explain_peak(graph: CapturedGraph, am: AnalysisManager | None = None, top: int = 10, *,
+                 groups: bool = True) -> Explanation:
+    """What is alive at the peak of ``graph``: the groups of :func:`memplan.analysis.groups.group_peak`
+    (unless ``groups`` is False: a caller that reads only the tensors) and the ``top`` largest tensors,
+    with why each is alive. ``am``: the analyses of ``graph`` the caller already has."""
     am = am or AnalysisManager(graph)
     sim = am.get(PeakSimulation)
     if sim.peak_index < 0:
         return Explanation(0, None, None, None, (), 0)
     peak_node = am.get(Liveness).order[sim.peak_index]
-    rows = [_describe(graph, am, sid, sim.peak_index) for sid in sim.live_at_peak[:top]]
+    listed = sim.live_at_peak[:top]
+    origins = storage_origins(graph, am, listed)
+    rows = [_describe(graph, am, sid, sim.peak_index, origins[sid]) for sid in listed]
     rest = sum(am.get(Tensors).storages[sid].nbytes for sid in sim.live_at_peak[top:])
+    grouped = group_peak(graph, am) if groups else PeakGroups()
     return Explanation(
         peak=sim.peak,
         peak_node=peak_node,
@@ -116,10 +119,14 @@ def explain_peak(graph: CapturedGraph, am: AnalysisManager | None = None, top: i
         peak_phase=graph.phases[peak_node].value,
         tensors=tuple(rows),
         rest_bytes=rest,
+        kinds=grouped.kinds,
+        modules=grouped.modules,
+        lines=grouped.lines,
+        diagnosis=grouped.diagnosis,
     )
 
 
-def _describe(graph: CapturedGraph, am: AnalysisManager, sid: int, at: int) -> PeakTensor:
+def _describe(graph: CapturedGraph, am: AnalysisManager, sid: int, at: int, origin: StorageOrigin) -> PeakTensor:
     tensors = am.get(Tensors)
     storage = tensors.storages[sid]
     creator = graph.node(storage.creator)
@@ -136,6 +143,9 @@ def _describe(graph: CapturedGraph, am: AnalysisManager, sid: int, at: int) -> P
         source=graph.sources.get(storage.creator),
         reason=_reason(graph, am, sid, at),
         provenance=_provenance(graph, tensors, creator),
+        module=origin.module,
+        kind=origin.kind,
+        library_source=origin.library_source,
     )
 
 

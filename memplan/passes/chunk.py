@@ -1218,6 +1218,8 @@ def _apply_region(graph: CapturedGraph, region: ChunkRegion, compile: bool) -> _
         graph,
         phases={k: v for k, v in state["phases"].items() if k in live},
         sources={k: v for k, v in state["sources"].items() if k in live},
+        library_sources={k: v for k, v in graph.library_sources.items() if k in live},
+        modules={k: v for k, v in graph.modules.items() if k in live},
         seq_nr={k: v for k, v in state["seq_nr"].items() if k in live},
     )
     cache: dict[int, list[tuple[torch.fx.Node, ChunkLoop]]] = {region.chunk: [(new_fwd[0], loops[region.chunk])]}

@@ -995,12 +995,9 @@ def plan_copies(
 
 
 def _insert(editor: GraphEditor, node: torch.fx.Node, like: torch.fx.Node) -> None:
-    """Record a node inserted by hand: backward phase, and the source and sequence number of ``like``."""
+    """Record a node inserted by hand: backward phase, and the source, module and sequence number of ``like``."""
     editor.phases[node.name] = Phase.BACKWARD
-    if like.name in editor.sources:
-        editor.sources[node.name] = editor.sources[like.name]
-    if like.name in editor.seq_nr:
-        editor.seq_nr[node.name] = editor.seq_nr[like.name]
+    editor.inherit_origin(node, like)
     editor.changed = True
 
 

@@ -1345,6 +1345,8 @@ def apply_rewrite(graph: CapturedGraph, plan: RewritePlan) -> tuple[CapturedGrap
         graph,
         phases={k: v for k, v in state["phases"].items() if k in live},
         sources={k: v for k, v in state["sources"].items() if k in live},
+        library_sources={k: v for k, v in graph.library_sources.items() if k in live},
+        modules={k: v for k, v in graph.modules.items() if k in live},
         seq_nr={k: v for k, v in state["seq_nr"].items() if k in live},
         outputs=state["outputs"],
     )

@@ -14,6 +14,8 @@ import html
 import math
 import zlib
 
+from memplan.analysis.explain_text import torch_line
+from memplan.analysis.groups import largest_modules
 from memplan.measure import format_bytes
 
 __all__ = ["render_html"]
@@ -39,6 +41,9 @@ th { background: #f4f6f8; } td.num { text-align: right; font-variant-numeric: ta
 .legend i { display: inline-block; width: .9rem; height: .9rem; margin-right: .3rem; vertical-align: -2px; }
 svg { background: #fff; } .muted { color: #666; font-size: .85rem; }
 code { font-size: .85rem; }
+.diagnosis { font-weight: 600; background: #fff7e6; padding: .5rem .8rem; border-left: 4px solid #f0ad4e; }
+.bar { display: inline-block; height: .7rem; background: #90caf9; vertical-align: middle; }
+td.layer { white-space: nowrap; }
 """
 
 
@@ -163,7 +168,8 @@ def _explain_table(explanation) -> str:
     rows = []
     for t in explanation.tensors:
         share = t.nbytes / explanation.peak if explanation.peak else 0
-        made = t.op + (f": {t.provenance}" if t.provenance else "")
+        made = t.op + (f" in {t.module or '(model)'}" if t.module is not None else "")
+        made += f": {t.provenance}" if t.provenance else ""
         rows.append(
             f"<tr><td class='num'>{_e(format_bytes(t.nbytes))}</td><td class='num'>{share:.1%}</td>"
             f"<td><code>{_e(list(t.shape))}</code> {_e(str(t.dtype).replace('torch.', ''))}</td>"
@@ -173,6 +179,66 @@ def _explain_table(explanation) -> str:
         f"<p>{_e(explanation._headline())}</p><table><tr><th>bytes</th><th>share</th><th>tensor</th><th>made by</th>"
         f"<th>source line</th><th>alive because</th></tr>{''.join(rows)}</table>"
     )
+
+
+def _share_cell(nbytes: int, peak: int) -> str:
+    share = nbytes / peak if peak else 0.0
+    return (f"<td class='num'>{share:.1%}</td>"
+            f"<td><span class='bar' style='width:{max(share * 160, 1):.0f}px'></span></td>")
+
+
+def _groups_html(explanation, rows: int = 30) -> str:
+    """What holds the peak in groups: the diagnosis, the kinds, the layers (as a tree, the ``rows`` largest)
+    and the lines of code."""
+    if explanation is None or not explanation.kinds:
+        return "<p class='muted'>no memory is allocated</p>"
+    peak = explanation.peak
+    parts = []
+    if explanation.diagnosis:
+        parts.append(f"<p class='diagnosis'>{_e(explanation.diagnosis)}</p>")
+    in_peak = [k for k in explanation.kinds if k.share is not None]
+    kinds = "".join(
+        f"<tr><td>{_e(k.kind)}</td><td class='num'>{k.count}</td><td class='num'>{_e(format_bytes(k.nbytes))}</td>"
+        f"{_share_cell(k.nbytes, peak)}</tr>" for k in in_peak
+    )
+    parts.append(f"<table><tr><th>kind</th><th>tensors</th><th>bytes</th><th colspan='2'>share</th></tr>{kinds}</table>")
+    beside = [k for k in explanation.kinds if k.share is None]
+    if beside:
+        held = ", ".join(f"{k.kind} {format_bytes(k.nbytes)} ({k.count})" for k in beside)
+        parts.append(f"<p class='muted'>held besides the peak (they exist before the call): {_e(held)}</p>")
+    shown = largest_modules(explanation.modules, rows)
+    if shown:
+        layer_rows = [
+            f"<tr><td class='layer' style='padding-left:{0.55 + 1.2 * m.depth:.2f}rem'><code>{_e(m.path or '(model)')}</code>"
+            f"</td><td class='num'>{m.count}</td><td class='num'>{_e(format_bytes(m.nbytes))}</td>"
+            f"{_share_cell(m.nbytes, peak)}</tr>"
+            for m in shown
+        ]
+        layer_rows += [
+            f"<tr><td class='layer'>(outside the model's modules)</td><td class='num'>{m.count}</td>"
+            f"<td class='num'>{_e(format_bytes(m.nbytes))}</td>{_share_cell(m.nbytes, peak)}</tr>"
+            for m in explanation.modules if m.path is None
+        ]
+        named = sum(1 for m in explanation.modules if m.path is not None)
+        more = f"<p class='muted'>{named - len(shown)} smaller layers not shown</p>" if named > len(shown) else ""
+        parts.append(
+            "<h4>by layer (a layer's bytes include its sublayers')</h4>"
+            f"<table><tr><th>layer</th><th>tensors</th><th>bytes</th><th colspan='2'>share</th></tr>{''.join(layer_rows)}"
+            f"</table>{more}"
+        )
+    if explanation.lines:
+        line_rows = "".join(
+            f"<tr><td><code>{_e(line.source or '(no line of yours)')}</code></td>"
+            f"<td><code>{_e(torch_line(line.library_source) if line.library_source else '')}</code></td>"
+            f"<td class='num'>{line.count}</td><td class='num'>{_e(format_bytes(line.nbytes))}</td>"
+            f"{_share_cell(line.nbytes, peak)}</tr>"
+            for line in explanation.lines[:rows]
+        )
+        parts.append(
+            "<h4>by line</h4><table><tr><th>your line</th><th>torch's line beneath</th><th>tensors</th><th>bytes</th>"
+            f"<th colspan='2'>share</th></tr>{line_rows}</table>"
+        )
+    return "".join(parts)
 
 
 def render_html(report) -> str:
@@ -213,6 +279,10 @@ def render_html(report) -> str:
         )
     else:
         sections.append("<p class='muted'>no passes ran (analysis only, or the empty pipeline)</p>")
+    sections += ["<h2 id='layers'>What holds the peak, by kind, layer and line</h2>", "<h3>as written</h3>",
+                 _groups_html(report.explain_before)]
+    if report.explain_after is not None:
+        sections += ["<h3>with memplan's plan</h3>", _groups_html(report.explain_after)]
     sections += ["<h2 id='peak'>Tensors alive at the peak</h2>", "<h3>as written</h3>", _explain_table(report.explain_before)]
     if report.explain_after is not None:
         sections += ["<h3>with memplan's plan</h3>", _explain_table(report.explain_after)]

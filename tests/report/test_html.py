@@ -1,5 +1,6 @@
 """The HTML report: self-contained, every section present, escaped, and it renders in Chromium."""
 
+import html
 import shutil
 import struct
 import subprocess
@@ -14,7 +15,7 @@ import memplan
 import memplan.examples as examples
 from memplan.steps import step_fn
 
-SECTIONS = ("id='timeline'", "id='passes'", "id='peak'", "id='graph'")
+SECTIONS = ("id='timeline'", "id='passes'", "id='layers'", "id='peak'", "id='graph'")
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +56,45 @@ def test_user_strings_are_escaped(tmp_path):
     text = path.read_text()
     assert "<script>" not in text and "&lt;script&gt;" in text
     assert "<b>not markup</b>" not in text and "(x &lt; 1)" in text
+
+
+class Mlp(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, 4 * d)
+        self.act = nn.GELU()
+        self.out = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.out(self.act(self.fc(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self, d=32, depth=2):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.ModuleDict({"norm": nn.LayerNorm(d), "mlp": Mlp(d)}) for _ in range(depth))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block["mlp"](block["norm"](x))
+        return x
+
+
+def test_the_report_groups_the_peak_by_layer(tmp_path):
+    a = memplan.analyze(Stack(), torch.randn(64, 32))
+    explanation = a.explain()
+    path = tmp_path / "r.html"
+    a.report().save_html(str(path))
+    text = path.read_text()
+    layers = text[text.index("id='layers'") : text.index("id='peak'")]
+    shown = [m.path for m in explanation.modules if m.path]
+    assert "blocks.1.mlp.act" in shown
+    for name in shown:
+        assert f"<code>{name}</code>" in layers
+    # a sublayer sits deeper in the tree than its layer
+    assert layers.index("<code>blocks.1</code>") < layers.index("<code>blocks.1.mlp.act</code>")
+    assert html.escape(explanation.diagnosis, quote=True) in layers
+    assert "torch/nn/modules/linear.py" in layers and "test_html.py" in layers
 
 
 def _png_has_content(png: bytes) -> bool:
