@@ -1127,9 +1127,7 @@ def _relaid_by_broadcast_tangents(tracer: Tracer, tangents: list[torch.Tensor], 
             modeled = values
     relaid = {i for i, node in grad_nodes.items()
               if node in modeled and not _keeps_layout_contract(modeled[node], leaves[i])}
-    broadcast = {node.name for node, value in modeled.items()
-                 if isinstance(value, torch.Tensor) and all(stride == 0 or size == 1
-                                                            for size, stride in zip(value.shape, value.stride()))}
+    broadcast = {node.name for node, value in modeled.items() if _is_broadcast_value(value)}
     return relaid, dense, together, broadcast
 
 
@@ -1212,6 +1210,22 @@ def _autocast_in_backward(gm: torch.fx.GraphModule, boundary: str | None,
     return None
 
 
+def _is_reshape_copy(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is the copy of a ``reshape`` that could not view its input in the trace: a ``clone``
+    to the contiguous format whose one reader is ``_unsafe_view`` (how ``reshape`` decomposes when it copies)."""
+    if node.target is not torch.ops.aten.clone.default or node.kwargs.get("memory_format") is not torch.contiguous_format:
+        return False
+    users = list(node.users)
+    return (isinstance(node.args[0], torch.fx.Node) and len(users) == 1
+            and users[0].target is torch.ops.aten._unsafe_view.default)
+
+
+def _is_broadcast_value(value: Any) -> bool:
+    """Whether ``value`` is a tensor whose every stride is zero where its size is not one (a broadcast
+    scalar, or a view of one): any shape views it."""
+    return isinstance(value, torch.Tensor) and all(stride == 0 or size == 1 for size, stride in zip(value.shape, value.stride()))
+
+
 def _reshapes_of_broadcast(gm: torch.fx.GraphModule, broadcast: AbstractSet[str]) -> None:
     """Make the copies autograd's ``reshape`` recorded of a dense tangent's broadcast into ``reshape`` again.
 
@@ -1230,14 +1244,10 @@ def _reshapes_of_broadcast(gm: torch.fx.GraphModule, broadcast: AbstractSet[str]
         return
     changed = False
     for node in list(gm.graph.nodes):
-        if node.target is not torch.ops.aten.clone.default or node.kwargs.get("memory_format") is not torch.contiguous_format:
+        if not _is_reshape_copy(node) or node.args[0].name not in broadcast:
             continue
         source = node.args[0]
-        users = list(node.users)
-        if (not isinstance(source, torch.fx.Node) or source.name not in broadcast or len(users) != 1
-                or users[0].target is not torch.ops.aten._unsafe_view.default):
-            continue
-        view, value = users[0], source.meta.get("val")
+        view, value = next(iter(node.users)), source.meta.get("val")
         shape = view.meta.get("val").shape
         view.target = torch.ops.aten.reshape.default
         view.args = (source, view.args[1])
@@ -1290,6 +1300,12 @@ def _restrided_values(tracer: Tracer, broadcast: list[torch.fx.Node]) -> dict[to
         if any(arg not in changed for arg in mutated_args(node)):
             continue
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda arg: changed.get(arg, arg.meta.get("val")))
+        if _is_reshape_copy(node) and _is_broadcast_value(args[0]):
+            # the reshape views a broadcast value (see _reshapes_of_broadcast): its "copy" is the value itself,
+            # and what reads it sees a broadcast layout (a leaf's gradient made of it breaks its contract)
+            changed[node] = args[0]
+            queue_readers(node)
+            continue
         try:
             value = tracer.evaluate(node.target, args, kwargs)
         except (RuntimeError, ValueError):
