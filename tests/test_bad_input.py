@@ -784,3 +784,13 @@ def test_two_threads_calling_one_module_plan_each_signature_once_and_match_eager
     # the model was never left holding the trace's fake tensors
     assert all(type(p) is nn.Parameter for p in model.parameters())
     assert_equivalent(reference, opt, inputs[0])
+
+
+def test_import_memplan_alone_gives_the_modules_the_docs_use():
+    # README uses memplan.steps.step_fn after a bare `import memplan`, which raised AttributeError
+    import subprocess
+    import sys
+
+    code = "import memplan; memplan.steps.step_fn; memplan.testing.assert_equivalent; memplan.errors.CaptureError"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import memplan
+from memplan.analysis.peak import step_margin
 from memplan.fuzz import check_program
 from memplan.steps import step_fn
 from memplan.testing import assert_equivalent
@@ -132,6 +133,62 @@ def whisper():  # 1-d convolutions over audio features, encoder-decoder
             (torch.randn(BATCH, 16, 32), _tokens(BATCH, 6)))
 
 
+def mistral():  # sliding-window attention
+    t = _transformers()
+    config = t.MistralConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                             intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=32, sliding_window=4,
+                             use_cache=False)
+    return t.MistralForCausalLM(config), (_tokens(),)
+
+
+def qwen2():
+    t = _transformers()
+    config = t.Qwen2Config(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=32, use_cache=False)
+    return t.Qwen2ForCausalLM(config), (_tokens(),)
+
+
+def bart():  # encoder-decoder with learned positions
+    t = _transformers()
+    config = t.BartConfig(encoder_layers=1, decoder_layers=1, d_model=32, encoder_attention_heads=4,
+                          decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=VOCAB,
+                          max_position_embeddings=32, use_cache=False, pad_token_id=0, bos_token_id=1,
+                          eos_token_id=2, decoder_start_token_id=2)
+    return (_Keywords(t.BartForConditionalGeneration(config), "input_ids", "decoder_input_ids"),
+            (_tokens(), _tokens(BATCH, 6)))
+
+
+def albert():  # factorised embeddings, one layer's weights shared by every layer
+    t = _transformers()
+    config = t.AlbertConfig(num_hidden_layers=2, hidden_size=32, embedding_size=16, num_attention_heads=4,
+                            intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=32)
+    return t.AlbertForMaskedLM(config), (_tokens(),)
+
+
+def deberta():  # disentangled attention over relative positions
+    t = _transformers()
+    config = t.DebertaV2Config(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                               vocab_size=VOCAB, max_position_embeddings=32, relative_attention=True,
+                               position_buckets=8, pos_att_type=["p2c", "c2p"])
+    return t.DebertaV2ForSequenceClassification(config), (_tokens(),)
+
+
+def mobilevit():  # convolutions and transformers over unfolded patches
+    t = _transformers()
+    config = t.MobileViTConfig(image_size=32, patch_size=2, hidden_sizes=[16, 24, 32],
+                               neck_hidden_sizes=[8, 8, 16, 16, 24, 24, 32], num_labels=10)
+    return t.MobileViTForImageClassification(config), (torch.randn(BATCH, 3, 32, 32),)
+
+
+def wav2vec2():  # a convolutional feature encoder over raw audio, group norm, convolutional positions
+    t = _transformers()
+    config = t.Wav2Vec2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                              conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                              num_conv_pos_embedding_groups=4, vocab_size=VOCAB, mask_time_prob=0.0,
+                              layerdrop=0.0)  # layer drop branches in Python on a random draw: no static plan
+    return t.Wav2Vec2ForCTC(config), (torch.randn(BATCH, 400),)
+
+
 class _LSTMTagger(nn.Module):
     """Embeddings, a two-layer bidirectional LSTM and a linear head (torch's fused recurrent layer)."""
 
@@ -222,7 +279,8 @@ def conv2d_mobile():  # depthwise-separable convolutions, hardswish, squeeze-and
     return model, (torch.randn(BATCH, 3, 32, 32),)
 
 
-LIBRARY = [gpt2, bert, llama, t5, distilbert, gpt_neox, vit, resnet, convnext, swin, whisper]
+LIBRARY = [gpt2, bert, llama, t5, distilbert, gpt_neox, vit, resnet, convnext, swin, whisper, mistral, qwen2, bart,
+           albert, deberta, mobilevit, wav2vec2]
 TORCH_NN = [lstm, gru_cell_loop, conv1d, transformer_encoder, transformer_decoder, conv2d_mobile]
 ALL = LIBRARY + TORCH_NN
 
@@ -260,7 +318,7 @@ def _under_autocast(module: nn.Module) -> Callable:
     return call
 
 
-AUTOCAST = [gpt2, bert, llama, vit, resnet, convnext, lstm, transformer_encoder, conv2d_mobile]
+AUTOCAST = [gpt2, bert, llama, mistral, vit, resnet, convnext, lstm, transformer_encoder, conv2d_mobile]
 
 
 @pytest.mark.parametrize("factory", AUTOCAST, ids=lambda f: f.__name__)
@@ -271,7 +329,15 @@ def test_a_library_model_under_autocast_trains_as_eager_within_its_peak(factory)
     step = step_fn(_under_autocast(opt), inputs, train=True)
     step()
     eager = memplan.measure(step_fn(_under_autocast(model), inputs, train=True)).peak
-    assert memplan.measure(step).peak <= eager
+    planned = memplan.measure(step).peak
+    assert planned <= eager
+    # Never below the ruler, so a budget holds. Not yet exact: with the backward after the autocast block,
+    # analyze() is 5-12% over eager's measured peak and the plan's prediction 5-40% over its own on these
+    # models (docs/troubleshooting.md, "The measured peak differs from the prediction").
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        predicted = memplan.analyze(model, *inputs).peak
+    assert predicted >= 0.995 * eager, (predicted, eager)
+    assert opt.plan.planned_peak + step_margin(opt.plan.graph) >= 0.995 * planned
 
 
 def test_several_optimizer_steps_leave_the_parameters_eager_leaves():
