@@ -709,6 +709,10 @@ def capture(
 
     _reshapes_of_broadcast(gm, out_spec_box.get("broadcast", set()))
     autocast_in_backward = _autocast_in_backward(gm, boundary.get("last_forward"), recorder.sources) if train else None
+    if train:
+        placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+        leaves = {node for node, tensor in zip(placeholders, real_flat) if tensor.requires_grad}
+        _autocast_cache_released(gm, boundary.get("last_forward"), leaves, recorder.released_after)
     # Step 5: read what the trace recorded, once.
     captured = _build_captured(
         gm,
@@ -1159,6 +1163,34 @@ def _autocast_off() -> Iterator[None]:
             if torch.is_autocast_enabled(kind):
                 stack.enter_context(torch.autocast(kind, enabled=False))
         yield
+
+
+def _autocast_cache_released(gm: torch.fx.GraphModule, boundary: str | None, leaves: AbstractSet[torch.fx.Node],
+                             released: dict[int, str]) -> None:
+    """Record that the casts autocast's cache holds (of the placeholders in ``leaves``, those that require grad)
+    are let go when the forward ends (into ``released``, keyed by storage as the recorder keys it).
+
+    Autocast casts a parameter (a leaf that requires grad) once per ``with torch.autocast(...)`` block and
+    keeps the copy in a cache until the outermost block ends. Capture traces the backward as it runs after
+    the block, torch's recipe, where the cache has been cleared and a cast lives on only if autograd saved
+    it; but the trace runs inside the caller's block, whose cache still holds the casts, so the recorder saw
+    none of them released: ``analyze()`` counted every cast weight through the backward (5-13% above eager's
+    measured peak on the library zoo). Casts released inside the trace (a block the model opens itself)
+    keep their recorded release.
+    """
+    if boundary is None or not torch.is_autocast_cache_enabled():
+        return
+    dtypes = {kind: torch.get_autocast_dtype(kind) for kind in AUTOCAST_KINDS if torch.is_autocast_enabled(kind)}
+    if not dtypes:
+        return
+    for node in gm.graph.nodes:
+        if node.name == boundary:
+            break
+        if node.target is not torch.ops.aten._to_copy.default or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        value = node.meta.get("val")
+        if node.args[0] in leaves and isinstance(value, torch.Tensor) and dtypes.get(value.device.type) == value.dtype:
+            released.setdefault(_storage_key(value), boundary)
 
 
 def _autocast_in_backward(gm: torch.fx.GraphModule, boundary: str | None,
