@@ -14,16 +14,11 @@ the backward. memplan runs the same computation a slice of the batch at a time.
     python examples/000_chain_product.py --out DIR    # where the HTML report goes (default: a new temporary folder)
 """
 
-import argparse
-import pathlib
-import tempfile
 
 import torch
 from torch import nn
 
-import memplan
-from memplan.steps import step_fn
-from memplan.testing import assert_equivalent
+from _compare import compare, parse_args
 
 
 class ChainProduct(nn.Module):
@@ -59,10 +54,7 @@ class ChainProduct(nn.Module):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--small", action="store_true", help="tiny sizes: runs in a few seconds")
-    parser.add_argument("--out", type=pathlib.Path, default=None, help="folder for the HTML report")
-    args = parser.parse_args()
+    args = parse_args(__doc__)
 
     # The report's sizes are n, t, v, c = 500, 1, 40, 200; here a smaller batch and smaller matrices.
     n, t, v, c = (8, 1, 6, 8) if args.small else (64, 1, 16, 64)
@@ -72,35 +64,7 @@ def main():
     inputs = (x,)
     print(f"log-space chain product of {v - 1} ({c} x {c}) matrices for a batch of {n}")
 
-    # The eager model: its peak predicted by analyze (over fake tensors) and measured on one training step,
-    # out.sum().backward() with gradients starting from None.
-    analysis = memplan.analyze(model, *inputs)
-    eager_step = step_fn(model, inputs, train=True)
-    eager_step()  # warm-up
-    eager = memplan.measure(eager_step)
-
-    # The same model planned by memplan: the first call captures and plans, the second is measured.
-    optimized = memplan.optimize(model)
-    optimized_step = step_fn(optimized, inputs, train=True)
-    optimized_step()
-    planned = memplan.measure(optimized_step)
-
-    print(f"{'peak of one training step':26s}{'measured':>12s}{'predicted':>12s}")
-    print(f"  {'eager PyTorch':24s}{memplan.format_bytes(eager.peak):>12s}{memplan.format_bytes(analysis.peak):>12s}")
-    print(
-        f"  {'memplan':24s}{memplan.format_bytes(planned.peak):>12s}"
-        f"{memplan.format_bytes(optimized.plan.planned_peak):>12s}   {eager.peak / planned.peak:.1f}x lower"
-    )
-    print(optimized.plan)
-
-    assert_equivalent(model, optimized, *inputs)  # raises if an output or a gradient differs
-    print("outputs and gradients match the eager model")
-
-    out = args.out if args.out is not None else pathlib.Path(tempfile.mkdtemp(prefix="memplan-example-"))
-    out.mkdir(parents=True, exist_ok=True)
-    report = optimized.report(title="log-space chain product (user report 000)")
-    path = report.save_html(out / "000_chain_product.html")
-    print(f"report: {path}")
+    compare(model, inputs, title="log-space chain product (user report 000)", name="000_chain_product", out=args.out)
 
 
 if __name__ == "__main__":

@@ -14,17 +14,12 @@ gradients without the per-example copies.
     python examples/001_broadcast_matmul.py --out DIR    # where the HTML report goes (default: a new temporary folder)
 """
 
-import argparse
 import math
-import pathlib
-import tempfile
 
 import torch
 from torch import nn
 
-import memplan
-from memplan.steps import step_fn
-from memplan.testing import assert_equivalent
+from _compare import compare, parse_args
 
 
 class HeadMatmul(nn.Module):
@@ -44,10 +39,7 @@ class HeadMatmul(nn.Module):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--small", action="store_true", help="tiny sizes: runs in a few seconds")
-    parser.add_argument("--out", type=pathlib.Path, default=None, help="folder for the HTML report")
-    args = parser.parse_args()
+    args = parse_args(__doc__)
 
     # The report's batch is 8192, with 8 heads of 64; here a smaller batch.
     batch, heads, dim = (16, 2, 8) if args.small else (1024, 8, 64)
@@ -57,35 +49,7 @@ def main():
     inputs = (x,)
     print(f"x.view({batch}, {heads}, 1, {dim}) @ W[{heads}, {dim}, {dim}]")
 
-    # The eager model: its peak predicted by analyze (over fake tensors) and measured on one training step,
-    # out.sum().backward() with gradients starting from None.
-    analysis = memplan.analyze(model, *inputs)
-    eager_step = step_fn(model, inputs, train=True)
-    eager_step()  # warm-up
-    eager = memplan.measure(eager_step)
-
-    # The same model planned by memplan: the first call captures and plans, the second is measured.
-    optimized = memplan.optimize(model)
-    optimized_step = step_fn(optimized, inputs, train=True)
-    optimized_step()
-    planned = memplan.measure(optimized_step)
-
-    print(f"{'peak of one training step':26s}{'measured':>12s}{'predicted':>12s}")
-    print(f"  {'eager PyTorch':24s}{memplan.format_bytes(eager.peak):>12s}{memplan.format_bytes(analysis.peak):>12s}")
-    print(
-        f"  {'memplan':24s}{memplan.format_bytes(planned.peak):>12s}"
-        f"{memplan.format_bytes(optimized.plan.planned_peak):>12s}   {eager.peak / planned.peak:.1f}x lower"
-    )
-    print(optimized.plan)
-
-    assert_equivalent(model, optimized, *inputs)  # raises if an output or a gradient differs
-    print("outputs and gradients match the eager model")
-
-    out = args.out if args.out is not None else pathlib.Path(tempfile.mkdtemp(prefix="memplan-example-"))
-    out.mkdir(parents=True, exist_ok=True)
-    report = optimized.report(title="broadcasting matmul (user report 001)")
-    path = report.save_html(out / "001_broadcast_matmul.html")
-    print(f"report: {path}")
+    compare(model, inputs, title="broadcasting matmul (user report 001)", name="001_broadcast_matmul", out=args.out)
 
 
 if __name__ == "__main__":

@@ -14,16 +14,11 @@ scores and gradients a slice at a time.
     python examples/002_maxsim.py --out DIR    # where the HTML report goes (default: a new temporary folder)
 """
 
-import argparse
-import pathlib
-import tempfile
 
 import torch
 from torch import nn
 
-import memplan
-from memplan.steps import step_fn
-from memplan.testing import assert_equivalent
+from _compare import compare, parse_args
 
 
 class MaxSim(nn.Module):
@@ -40,10 +35,7 @@ class MaxSim(nn.Module):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--small", action="store_true", help="tiny sizes: runs in a few seconds")
-    parser.add_argument("--out", type=pathlib.Path, default=None, help="folder for the HTML report")
-    args = parser.parse_args()
+    args = parse_args(__doc__)
 
     # The report scores 300 sequences of 2000 tokens against 315 of 1990 (width 256); here fewer and shorter.
     if args.small:
@@ -57,35 +49,7 @@ def main():
     inputs = (a, b)
     print(f"max-sim of a{a_shape} against b{b_shape}")
 
-    # The eager model: its peak predicted by analyze (over fake tensors) and measured on one training step,
-    # scores.sum().backward() with gradients starting from None.
-    analysis = memplan.analyze(model, *inputs)
-    eager_step = step_fn(model, inputs, train=True)
-    eager_step()  # warm-up
-    eager = memplan.measure(eager_step)
-
-    # The same model planned by memplan: the first call captures and plans, the second is measured.
-    optimized = memplan.optimize(model)
-    optimized_step = step_fn(optimized, inputs, train=True)
-    optimized_step()
-    planned = memplan.measure(optimized_step)
-
-    print(f"{'peak of one training step':26s}{'measured':>12s}{'predicted':>12s}")
-    print(f"  {'eager PyTorch':24s}{memplan.format_bytes(eager.peak):>12s}{memplan.format_bytes(analysis.peak):>12s}")
-    print(
-        f"  {'memplan':24s}{memplan.format_bytes(planned.peak):>12s}"
-        f"{memplan.format_bytes(optimized.plan.planned_peak):>12s}   {eager.peak / planned.peak:.1f}x lower"
-    )
-    print(optimized.plan)
-
-    assert_equivalent(model, optimized, *inputs)  # raises if an output or a gradient differs
-    print("outputs and gradients match the eager model")
-
-    out = args.out if args.out is not None else pathlib.Path(tempfile.mkdtemp(prefix="memplan-example-"))
-    out.mkdir(parents=True, exist_ok=True)
-    report = optimized.report(title="max-sim (user report 002)")
-    path = report.save_html(out / "002_maxsim.html")
-    print(f"report: {path}")
+    compare(model, inputs, title="max-sim (user report 002)", name="002_maxsim", out=args.out)
 
 
 if __name__ == "__main__":

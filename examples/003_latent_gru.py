@@ -12,17 +12,12 @@ fewer of them, recomputing the rest in the backward, with the same outputs and g
     python examples/003_latent_gru.py --out DIR    # where the HTML report goes (default: a new temporary folder)
 """
 
-import argparse
 import math
-import pathlib
-import tempfile
 
 import torch
 from torch import nn
 
-import memplan
-from memplan.steps import step_fn
-from memplan.testing import assert_equivalent
+from _compare import compare, parse_args
 
 
 class LatentGRU(nn.Module):
@@ -55,10 +50,7 @@ class LatentGRU(nn.Module):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--small", action="store_true", help="tiny sizes: runs in a few seconds")
-    parser.add_argument("--out", type=pathlib.Path, default=None, help="folder for the HTML report")
-    args = parser.parse_args()
+    args = parse_args(__doc__)
 
     # Steps, batch, input features and hidden units.
     seq_len, batch, input_size, hidden_size = (6, 2, 4, 8) if args.small else (128, 32, 32, 128)
@@ -69,36 +61,7 @@ def main():
     inputs = (input_seq, hidden)
     print(f"latent GRU unrolled over {seq_len} steps, batch {batch}, {hidden_size} hidden units")
 
-    # The eager model: its peak predicted by analyze (over fake tensors) and measured on one training step,
-    # the sum of the outputs, backward, with gradients starting from None (step_fn also seeds torch's RNG,
-    # so that the eager model and memplan's draw the same noise).
-    analysis = memplan.analyze(model, *inputs)
-    eager_step = step_fn(model, inputs, train=True)
-    eager_step()  # warm-up
-    eager = memplan.measure(eager_step)
-
-    # The same model planned by memplan: the first call captures and plans, the second is measured.
-    optimized = memplan.optimize(model)
-    optimized_step = step_fn(optimized, inputs, train=True)
-    optimized_step()
-    planned = memplan.measure(optimized_step)
-
-    print(f"{'peak of one training step':26s}{'measured':>12s}{'predicted':>12s}")
-    print(f"  {'eager PyTorch':24s}{memplan.format_bytes(eager.peak):>12s}{memplan.format_bytes(analysis.peak):>12s}")
-    print(
-        f"  {'memplan':24s}{memplan.format_bytes(planned.peak):>12s}"
-        f"{memplan.format_bytes(optimized.plan.planned_peak):>12s}   {eager.peak / planned.peak:.1f}x lower"
-    )
-    print(optimized.plan)
-
-    assert_equivalent(model, optimized, *inputs)  # same seed for both, so the same noise
-    print("outputs and gradients match the eager model")
-
-    out = args.out if args.out is not None else pathlib.Path(tempfile.mkdtemp(prefix="memplan-example-"))
-    out.mkdir(parents=True, exist_ok=True)
-    report = optimized.report(title="latent GRU unrolled in Python (user report 003)")
-    path = report.save_html(out / "003_latent_gru.html")
-    print(f"report: {path}")
+    compare(model, inputs, title="latent GRU unrolled in Python (user report 003)", name="003_latent_gru", out=args.out)
 
 
 if __name__ == "__main__":

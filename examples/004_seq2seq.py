@@ -14,17 +14,12 @@ tensors in the backward instead of keeping them, and writes others in place; the
     python examples/004_seq2seq.py --out DIR    # where the HTML report goes (default: a new temporary folder)
 """
 
-import argparse
-import pathlib
-import tempfile
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import memplan
-from memplan.steps import step_fn
-from memplan.testing import assert_equivalent
+from _compare import compare, parse_args
 
 
 class Seq2Seq(nn.Module):
@@ -93,10 +88,7 @@ class Seq2Seq(nn.Module):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--small", action="store_true", help="tiny sizes: runs in a few seconds")
-    parser.add_argument("--out", type=pathlib.Path, default=None, help="folder for the HTML report")
-    args = parser.parse_args()
+    args = parse_args(__doc__)
 
     # OpenNMT's defaults are batch 64, vocabulary 50000, embeddings 500 and 2 layers of 500; here smaller.
     if args.small:
@@ -110,35 +102,7 @@ def main():
     inputs = (src, tgt)
     print(f"seq2seq {num_layers}x{hidden_size}, vocabulary {vocab}, batch {batch}, sentences of {length} tokens")
 
-    # The eager model: its peak predicted by analyze (over fake tensors) and measured on one training step,
-    # loss.backward() with gradients starting from None.
-    analysis = memplan.analyze(model, *inputs)
-    eager_step = step_fn(model, inputs, train=True)
-    eager_step()  # warm-up
-    eager = memplan.measure(eager_step)
-
-    # The same model planned by memplan: the first call captures and plans, the second is measured.
-    optimized = memplan.optimize(model)
-    optimized_step = step_fn(optimized, inputs, train=True)
-    optimized_step()
-    planned = memplan.measure(optimized_step)
-
-    print(f"{'peak of one training step':26s}{'measured':>12s}{'predicted':>12s}")
-    print(f"  {'eager PyTorch':24s}{memplan.format_bytes(eager.peak):>12s}{memplan.format_bytes(analysis.peak):>12s}")
-    print(
-        f"  {'memplan':24s}{memplan.format_bytes(planned.peak):>12s}"
-        f"{memplan.format_bytes(optimized.plan.planned_peak):>12s}   {eager.peak / planned.peak:.1f}x lower"
-    )
-    print(optimized.plan)
-
-    assert_equivalent(model, optimized, *inputs)  # raises if the loss or a gradient differs
-    print("outputs and gradients match the eager model")
-
-    out = args.out if args.out is not None else pathlib.Path(tempfile.mkdtemp(prefix="memplan-example-"))
-    out.mkdir(parents=True, exist_ok=True)
-    report = optimized.report(title="OpenNMT-style seq2seq (user report 004)")
-    path = report.save_html(out / "004_seq2seq.html")
-    print(f"report: {path}")
+    compare(model, inputs, title="OpenNMT-style seq2seq (user report 004)", name="004_seq2seq", out=args.out)
 
 
 if __name__ == "__main__":

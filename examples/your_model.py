@@ -11,10 +11,6 @@ shapes).
 The same report from the command line: ``memplan report examples/your_model.py:make --out report.html``.
 """
 
-import argparse
-import pathlib
-import tempfile
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,6 +18,8 @@ from torch import nn
 import memplan
 from memplan.steps import step_fn
 from memplan.testing import assert_equivalent
+
+from _compare import parse_args, print_peaks, write_report
 
 
 # 1. Your model. Here a small transformer-style classifier: one self-attention block, mean pooling, a linear head,
@@ -57,10 +55,7 @@ def make(small=False):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--small", action="store_true", help="tiny sizes: runs in a few seconds")
-    parser.add_argument("--out", type=pathlib.Path, default=None, help="folder for the HTML report")
-    args = parser.parse_args()
+    args = parse_args(__doc__)
     model, inputs = make(small=args.small)
 
     # 3. Analyze: capture one training step (forward, then backward of the output's sum, here the loss) over fake
@@ -84,24 +79,14 @@ def main():
     optimized_step()
     planned = memplan.measure(optimized_step)
 
-    print(f"{'peak of one training step':26s}{'measured':>12s}{'predicted':>12s}")
-    print(f"  {'eager PyTorch':24s}{memplan.format_bytes(eager.peak):>12s}{memplan.format_bytes(analysis.peak):>12s}")
-    print(
-        f"  {'memplan':24s}{memplan.format_bytes(planned.peak):>12s}"
-        f"{memplan.format_bytes(optimized.plan.planned_peak):>12s}   {eager.peak / planned.peak:.1f}x lower"
-    )
-    print(optimized.plan)  # what each pass changed, and the predicted peak after it
+    print_peaks(eager, analysis.peak, planned, optimized)
 
     # 6. Check: the same outputs and gradients as your model, on copies of the inputs and from the same RNG seed.
     assert_equivalent(model, optimized, *inputs)
     print("outputs and gradients match the eager model")
 
     # 7. Report: one HTML file with the memory timeline before and after, the passes and the graph.
-    out = args.out if args.out is not None else pathlib.Path(tempfile.mkdtemp(prefix="memplan-example-"))
-    out.mkdir(parents=True, exist_ok=True)
-    report = optimized.report(title="your model")
-    path = report.save_html(out / "your_model.html")
-    print(f"report: {path}")
+    write_report(optimized, title="your model", name="your_model", out=args.out)
 
 
 if __name__ == "__main__":
