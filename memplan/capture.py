@@ -89,6 +89,8 @@ __all__ = [
     "TRACING",
     "leaf_paths",
     "STATIC_TYPES",
+    "AUTOCAST_KINDS",
+    "autocast_off",
 ]
 
 #: Held while a model is traced, so a process traces one model at a time: a trace swaps the model's
@@ -632,7 +634,7 @@ def capture(
         relaid: set[int] = set()
         # The backward as it runs outside the autocast block of the forward (what torch's automatic
         # mixed precision recipes do): a backward run inside one casts again (see _autocast_in_backward).
-        with _autocast_off():
+        with autocast_off():
             if seed == "sum":
                 sum_backward(flat_out, before_backward=tag_backward)
             else:
@@ -1156,8 +1158,9 @@ AUTOCAST_KINDS = ("cpu", "cuda")
 
 
 @contextlib.contextmanager
-def _autocast_off() -> Iterator[None]:
-    """Every enabled autocast turned off for the block, as outside a ``with torch.autocast(...)``."""
+def autocast_off() -> Iterator[None]:
+    """Every enabled autocast (of :data:`AUTOCAST_KINDS`) turned off for the block, as outside a
+    ``with torch.autocast(...)``: capture's backward, and a plan's code (see :mod:`memplan.emit`)."""
     with contextlib.ExitStack() as stack:
         for kind in AUTOCAST_KINDS:
             if torch.is_autocast_enabled(kind):
@@ -1631,6 +1634,11 @@ def _raised_by_user_code(exc: BaseException) -> bool:
     return dis.opname[code.co_code[tb.tb_lasti]] in ("RAISE_VARARGS", "RERAISE")
 
 
+def _in_torch_function(frames: traceback.StackSummary, function: str) -> bool:
+    """Whether a frame of torch's own ``function`` (``pack_padded_sequence``) is on the failing stack."""
+    return any(frame.name == function and frame.filename.startswith(_TORCH_DIR + os.sep) for frame in frames)
+
+
 def _capture_error(model: Any, exc: BaseException, graph: torch.fx.Graph | None = None,
                    sources: Mapping[str, SourceLine] | None = None) -> CaptureError:
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
@@ -1644,6 +1652,8 @@ def _capture_error(model: Any, exc: BaseException, graph: torch.fx.Graph | None 
     if inner is not None:
         library = f"in torch's {inner.filename}:{inner.lineno}: `{inner.code}`"
         at += f" ({library})" if where else f" {library}"
+    # where the trace's frames hold no line of the user's (the model is torch's own), the line that called it
+    at_call = at if where else at + caller_line()
     data_dependent = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
     clobbered = _clobber_message(name, exc, graph, sources or {}) if isinstance(exc, RuntimeError) else None
     if clobbered is not None:
@@ -1656,15 +1666,14 @@ def _capture_error(model: Any, exc: BaseException, graph: torch.fx.Graph | None 
         )
     if any(frame.line and "_nested_tensor_from_mask" in frame.line for frame in frames) or "NestedTensorImpl" in str(exc):
         return CaptureError(
-            f"memplan cannot capture {name}: it turns a padded batch into a nested tensor{at}"
-            f"{'' if where else caller_line()}, which memplan cannot "
+            f"memplan cannot capture {name}: it turns a padded batch into a nested tensor{at_call}, which memplan cannot "
             "plan: nn.TransformerEncoder does so in evaluation under no_grad when given src_key_padding_mask (its "
             "fast path). Fix: build the encoder with nn.TransformerEncoder(..., enable_nested_tensor=False), which "
             "keeps the batch padded (the outputs at padded positions are then the layers' values rather than "
             'zeros, in eager as in the plan); or pass fallback="eager" to memplan.optimize to run this model '
             "eagerly."
         )
-    in_ctc = any(frame.name == "ctc_loss" and frame.filename.startswith(_TORCH_DIR + os.sep) for frame in frames)
+    in_ctc = _in_torch_function(frames, "ctc_loss")
     if in_ctc and (isinstance(exc, data_dependent) or "data is not allocated" in str(exc)):
         return CaptureError(
             f"memplan cannot capture {name}: CTC loss sizes its work from the values of the lengths{at} (and its "
@@ -1680,15 +1689,15 @@ def _capture_error(model: Any, exc: BaseException, graph: torch.fx.Graph | None 
                 "and a static plan cannot depend on them. Fix: pass validate_args=False to the distribution, "
                 "or call torch.distributions.Distribution.set_default_validate_args(False) once."
             )
-        if any(frame.name == "_detect_is_causal_mask" and frame.filename.startswith(_TORCH_DIR + os.sep) for frame in frames):
+        if _in_torch_function(frames, "_detect_is_causal_mask"):
             return CaptureError(
                 f"memplan cannot capture {name}: torch reads the values of an attention mask to find out whether it is "
-                f"causal{at}{'' if where else caller_line()}, and a static plan cannot depend on them. Fix: say it: pass "
+                f"causal{at_call}, and a static plan cannot depend on them. Fix: say it: pass "
                 "is_causal=True (or False) to nn.TransformerEncoder, tgt_is_causal= (and memory_is_causal=) to "
                 'nn.TransformerDecoder, beside the mask; or pass fallback="eager" to memplan.optimize to run this '
                 "model eagerly."
             )
-        if any(frame.name == "pack_padded_sequence" and frame.filename.startswith(_TORCH_DIR + os.sep) for frame in frames):
+        if _in_torch_function(frames, "pack_padded_sequence"):
             return CaptureError(
                 f"memplan cannot capture {name}: nn.utils.rnn.pack_padded_sequence makes its batch sizes from the "
                 f"values of the lengths{at}, and a static plan cannot depend on them. Fix: run the recurrent layer "

@@ -23,7 +23,6 @@ copying the nodes and fx's code generation took most of emit's time.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import os
@@ -50,7 +49,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memplan.capture import AUTOCAST_KINDS, CapturedGraph, Phase, caller_line
+from memplan.capture import AUTOCAST_KINDS, CapturedGraph, Phase, autocast_off, caller_line
 from memplan.errors import AutocastBackwardError, HigherOrderGradientError, OutputGradientHookError
 from memplan.opschema import GRAD_MODE_OPS
 
@@ -668,12 +667,9 @@ def _runner(
 
     def call(args: list[Any]) -> Any:
         try:
-            casting = [kind for kind in AUTOCAST_KINDS if torch.is_autocast_enabled(kind)]
-            if not casting:
+            if not any(map(torch.is_autocast_enabled, AUTOCAST_KINDS)):
                 return function(root, args)
-            with contextlib.ExitStack() as stack:
-                for kind in casting:
-                    stack.enter_context(torch.autocast(kind, enabled=False))
+            with autocast_off():
                 return function(root, args)
         except Exception as exc:
             _note_failing_op(exc, f"<memplan {name}>", source, describe)
