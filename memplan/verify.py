@@ -152,15 +152,7 @@ def check_first_call(module: Any, plan: Any, args: tuple, kwargs: dict, state: S
         _skip(short)
         return plan
     changed = call.changed()
-    rng = _RNGState.save()
-    before = [call.state[i].detach().clone() for i in changed]
-
-    def restore() -> None:
-        rng.restore()
-        with torch.no_grad():
-            for i, value in zip(changed, before):
-                call.state[i].copy_(value)
-
+    restore = _kept(call, changed)
     try:
         try:
             reference = _run_eager(call, changed, plan.training)
@@ -189,15 +181,9 @@ def first_run_failure(module: Any, plan: Any, args: tuple, kwargs: dict, state: 
     raises it, eagerly or planned, as eager would.
     """
     call = _Call(module.original, list(state), args, dict(kwargs), plan.original)
-    changed = call.changed()
-    rng = _RNGState.save()
-    before = [call.state[i].detach().clone() for i in changed]
+    restore = _kept(call, call.changed())
     try:
-        _, _, copies = _copy_call(call.args, call.kwargs)
-        outputs = (run_training if plan.training else run_inference)(plan.emitted, [*call.state, *copies])
-        for index, value in plan.emitted.constant_outputs:
-            outputs[index] = value
-        flat = pytree.tree_leaves(pytree.tree_unflatten(outputs, plan.graph.out_spec))
+        flat, copies = _plan_outputs(call, plan)
         targets = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
         # the planned backward is one node: a gradient of any leaf runs all of it. The call's copies first,
         # which no hook of the user's watches; else parameters without hooks (a hook would be called once more)
@@ -205,9 +191,7 @@ def first_run_failure(module: Any, plan: Any, args: tuple, kwargs: dict, state: 
             p for p in call.state if p.requires_grad and not p._backward_hooks
             and not getattr(p, "_post_accumulate_grad_hooks", None)]
         if plan.training and targets and leaves:
-            generator = torch.Generator().manual_seed(UPSTREAM_SEED)
-            upstream = [torch.randn(t.shape, generator=generator, dtype=t.dtype).to(t.device) for t in targets]
-            torch.autograd.grad(targets, leaves, upstream, allow_unused=True)
+            torch.autograd.grad(targets, leaves, _upstream(targets), allow_unused=True)
     except MemplanError:
         raise  # memplan's own refusals (a higher-order gradient, a backward under autocast) say what to do
     except Exception as exc:  # noqa: BLE001 - a failure of the plan, answered by running eagerly
@@ -215,10 +199,7 @@ def first_run_failure(module: Any, plan: Any, args: tuple, kwargs: dict, state: 
             return None
         return exc
     finally:
-        rng.restore()
-        with torch.no_grad():
-            for i, value in zip(changed, before):
-                call.state[i].copy_(value)
+        restore()
     return None
 
 
@@ -311,12 +292,38 @@ def _run_eager(call: _Call, changed: list[int], training: bool) -> _Run:
 
 
 def _run_plan(call: _Call, changed: list[int], plan: Any, reference: _Run) -> _Run:
+    flat, copies = _plan_outputs(call, plan)
+    return _finish(call, changed, flat, reference.differentiable, copies)
+
+
+def _plan_outputs(call: _Call, plan: Any) -> tuple[list[Any], list[torch.Tensor]]:
+    """The plan run on copies of the call's tensors: its flat outputs (constants in their places) and the copies."""
     _, _, copies = _copy_call(call.args, call.kwargs)
     outputs = (run_training if plan.training else run_inference)(plan.emitted, [*call.state, *copies])
     for index, value in plan.emitted.constant_outputs:
         outputs[index] = value
-    flat = pytree.tree_leaves(pytree.tree_unflatten(outputs, plan.graph.out_spec))
-    return _finish(call, changed, flat, reference.differentiable, copies)
+    return pytree.tree_leaves(pytree.tree_unflatten(outputs, plan.graph.out_spec)), copies
+
+
+def _kept(call: _Call, changed: list[int]) -> Callable[[], None]:
+    """Save the RNG state and the ``changed`` state tensors; the function returned puts them back."""
+    rng = _RNGState.save()
+    before = [call.state[i].detach().clone() for i in changed]
+
+    def restore() -> None:
+        rng.restore()
+        with torch.no_grad():
+            for i, value in zip(changed, before):
+                call.state[i].copy_(value)
+
+    return restore
+
+
+def _upstream(targets: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The fixed random gradients both runs send into ``targets`` (a generator of their own, seeded with
+    :data:`UPSTREAM_SEED`: the global RNG is the model's)."""
+    generator = torch.Generator().manual_seed(UPSTREAM_SEED)
+    return [torch.randn(t.shape, generator=generator, dtype=t.dtype).to(t.device) for t in targets]
 
 
 def _finish(call: _Call, changed: list[int], flat: list[Any], differentiable: list[int],
@@ -334,9 +341,7 @@ def _finish(call: _Call, changed: list[int], flat: list[Any], differentiable: li
             named = list(zip(inputs, [*call.state, *copies]))
             named = named[len(call.state):] + named[: len(call.state)]
             leaves = [(spec.path, t) for spec, t in named if t.requires_grad]
-            gen = torch.Generator().manual_seed(UPSTREAM_SEED)
-            upstream = [torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device) for t in targets]
-            grads = torch.autograd.grad(targets, [t for _, t in leaves], upstream, allow_unused=True,
+            grads = torch.autograd.grad(targets, [t for _, t in leaves], _upstream(targets), allow_unused=True,
                                         materialize_grads=True) if leaves else ()
             values += [(f"gradient of {name}", g) for (name, _), g in zip(leaves, grads)]
     values += [(f"{inputs[i].kind} {inputs[i].path} after the call", call.state[i].detach().clone()) for i in changed]
