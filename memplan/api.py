@@ -29,6 +29,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from memplan.analysis.cost import CostRates
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation
 from memplan.analysis.tensors import Tensors, parameter_bytes
@@ -68,6 +69,8 @@ class Plan:
     emitted: Emitted = dataclasses.field(repr=False)
     graph: CapturedGraph = dataclasses.field(repr=False)
     original: CapturedGraph = dataclasses.field(repr=False)  # as captured, before any pass
+    eager_time: float = 0.0  # predicted seconds of eager's step, and of the plan's (memplan.analysis.cost)
+    plan_time: float = 0.0
 
     def report(self, title: str = "memplan report"):
         """The memory report of this plan (before and after); ``.save_html(path)`` writes it."""
@@ -77,16 +80,39 @@ class Plan:
             self.original, self.graph, records=self.records, title=title, parameter_bytes=parameter_bytes(self.original)
         )
 
+    def to_snapshot(self, which: str = "plan") -> dict:
+        """The predicted timeline of the plan (``which="plan"``) or of the model as written (``"eager"``) as
+        the dictionary ``torch.cuda.memory._snapshot()`` returns (see :mod:`memplan.report.snapshot`)."""
+        from memplan.report.snapshot import to_snapshot
+
+        graphs = {"plan": self.graph, "eager": self.original}
+        if which not in graphs:
+            raise ValueError(f"which={which!r}: choose 'plan' (memplan's plan) or 'eager' (the model as written)")
+        return to_snapshot(graphs[which], label=which)
+
+    def save_snapshot(self, path: str, which: str = "plan") -> str:
+        """Pickle :meth:`to_snapshot` to ``path``; open it at https://pytorch.org/memory_viz. Returns the path.
+        ``memplan.report.snapshot.snapshot_paths(path)`` names a pair of files for both."""
+        from memplan.report.snapshot import save_snapshot
+
+        return save_snapshot(self.to_snapshot(which), path)
+
     @property
     def code(self) -> str:
         return self.emitted.code
+
+    @property
+    def overhead(self) -> float:
+        """The plan's predicted step time over eager's, minus one (what ``max_overhead`` bounds)."""
+        return self.plan_time / self.eager_time - 1.0 if self.eager_time > 0 else 0.0
 
     def headline(self) -> str:
         ratio = self.planned_peak / self.eager_peak if self.eager_peak else 1.0
         mode = "training" if self.training else "inference"
         return (
             f"{mode} plan: peak {format_bytes(self.eager_peak)} -> {format_bytes(self.planned_peak)} "
-            f"({ratio:.1%}), saved for backward {format_bytes(self.saved_bytes)}, planned in {self.plan_seconds:.2f} s"
+            f"({ratio:.1%}), predicted step time {1 + self.overhead:.2f}x eager's, saved for backward "
+            f"{format_bytes(self.saved_bytes)}, planned in {self.plan_seconds:.2f} s"
         )
 
     def __str__(self) -> str:
@@ -297,6 +323,7 @@ class OptimizedModule(nn.Module):
         options: Mapping[str, Any] | None = None,
         max_plans: int = MAX_PLANS,
         verify: bool = False,
+        rates: CostRates | str | None = None,
     ):
         super().__init__()
         if fallback not in (None, "eager"):
@@ -311,6 +338,7 @@ class OptimizedModule(nn.Module):
         self.passes = tuple(passes)
         self.fallback = fallback
         self.options = dict(options or {})
+        self.rates = rates
         self.max_plans = max_plans
         # check each signature's first call against eager (memplan.verify); private, not to hide a `verify`
         # of the model's, which reads through this module
@@ -406,7 +434,7 @@ class OptimizedModule(nn.Module):
         eager_peak = captured.get(PeakSimulation).peak
         # Passes edit the graph they are given; keep the captured one intact for reports. The copy has the
         # captured graph's nodes and fake values, so its tensor facts are the captured ones.
-        result = PassManager(passes, self.policy, options=self.options).run(
+        result = PassManager(passes, self.policy, options=self.options, rates=self.rates).run(
             copy_graph(graph), known={Tensors: captured.get(Tensors)}, pristine=graph)
         # The pipeline hands over the analyses of its last graph (computing them again took seconds).
         analyses = result.graph_analyses()
@@ -427,6 +455,8 @@ class OptimizedModule(nn.Module):
             emitted=emitted,
             graph=result.graph,
             original=graph,
+            eager_time=result.eager_time,
+            plan_time=result.plan_time,
         )
 
     # -- running ----------------------------------------------------------------------------------
@@ -645,6 +675,7 @@ def optimize(
     options: Mapping[str, Any] | None = None,
     max_plans: int = MAX_PLANS,
     verify: bool = False,
+    rates: CostRates | str | None = None,
 ) -> OptimizedModule:
     """Wrap ``model`` so that each call runs a memory-planned version of it.
 
@@ -659,7 +690,8 @@ def optimize(
         model's own predicted peak (``0.5``, ``"50%"``), worked out for each input signature. See
         :func:`memplan.policy.parse_budget`.
     max_overhead : float
-        Without a budget: lowest peak whose extra compute is at most this fraction (default 0.3).
+        Without a budget: the lowest peak whose predicted step time is at most ``1 + max_overhead`` times
+        eager's (default 0.3), the whole plan's, from the time model (:mod:`memplan.analysis.cost`).
     passes : str or sequence of str, optional
         Pipeline, e.g. ``"inplace,schedule"``; ``""`` for none; None for the default pipeline.
     fallback : {None, "eager"}
@@ -677,6 +709,9 @@ def optimize(
         rolled back (a :class:`~memplan.errors.PassRolledBackWarning`), and the call returns the
         results of the plan without it. Costs an eager run and a second run of the plan on that call;
         skipped, with a warning, where the eager run would not fit in the GPU's free memory.
+    rates : CostRates or {"reference", "calibrated"}, optional
+        The time model's rates (:func:`memplan.analysis.cost.rates_for`): None takes the environment's
+        ``MEMPLAN_RATES``, else the reference rates (the same plan on every machine).
 
     Notes
     -----
@@ -706,5 +741,5 @@ def optimize(
     check_options(options or {})
     return OptimizedModule(
         model, policy=Policy(budget=budget, max_overhead=max_overhead), passes=names, fallback=fallback,
-        options=options, max_plans=max_plans, verify=verify,
+        options=options, max_plans=max_plans, verify=verify, rates=rates,
     )

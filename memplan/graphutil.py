@@ -25,6 +25,7 @@ from memplan.capture import CapturedGraph, Phase
 from memplan.opschema import is_pure_view, is_random, is_view_op, mutated_args
 
 __all__ = [
+    "ALIAS_OPS",
     "packet_name",
     "is_random",
     "mutated_args",
@@ -37,6 +38,12 @@ __all__ = [
     "copy_graph",
     "GraphEditor",
 ]
+
+
+# ops whose result aliases an operand's storage: they allocate and compute nothing
+ALIAS_OPS = frozenset({"view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "unsqueeze",
+                       "squeeze", "select", "slice", "narrow", "alias", "detach", "as_strided", "diagonal", "unbind",
+                       "split", "split_with_sizes", "chunk", "unfold", "view_as", "_reshape_alias", "lift_fresh"})
 
 
 def packet_name(node: torch.fx.Node) -> str:

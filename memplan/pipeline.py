@@ -42,6 +42,7 @@ from typing import Any, TypeVar
 import torch
 import torch.fx
 
+from memplan.analysis.cost import REFERENCE_RATES, CostRates, eager_seconds, graph_cost, rates_for
 from memplan.analysis.liveness import Liveness
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.explain import explain_peak
@@ -106,6 +107,7 @@ class PassContext:
     am: AnalysisManager
     policy: Policy
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    rates: CostRates = REFERENCE_RATES  # the time model's rates: every pass prices its candidates with them
 
 
 PassFn = Callable[[CapturedGraph, PassContext], PassResult]
@@ -408,6 +410,8 @@ class PassRecord:
     peak_after: int
     plan: Any = None
     rolled_back: str | None = None  # what the pass did wrong, when its change was rolled back
+    time_before: float = 0.0  # predicted seconds of the plan's step before and after the pass (the time model)
+    time_after: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -417,6 +421,13 @@ class PipelineResult:
     graph: CapturedGraph
     records: tuple[PassRecord, ...]
     analyses: AnalysisManager | None = None
+    eager_time: float = 0.0  # predicted seconds of eager's step (see memplan.analysis.cost.eager_seconds)
+    plan_time: float = 0.0  # predicted seconds of the last graph's step
+
+    @property
+    def overhead(self) -> float:
+        """The plan's predicted step time over eager's, minus one (what ``max_overhead`` bounds)."""
+        return self.plan_time / self.eager_time - 1.0 if self.eager_time > 0 else 0.0
 
     @property
     def rolled_back(self) -> tuple[str, ...]:
@@ -459,6 +470,16 @@ class PassManager:
         never rolled back (it raises :class:`~memplan.errors.PassError`, as under ``"raise"``).
     before_pass, after_pass : callables ``(name, graph)``, optional
         Instrumentation hooks (called again for the passes before a failing one, which run again).
+    rates : CostRates or {"reference", "calibrated"}, optional
+        The time model's rates (see :func:`memplan.analysis.cost.rates_for`; None: as it says).
+
+    Time
+    ----
+    ``max_overhead`` bounds the whole plan: its predicted step time over eager's (both from the one
+    time model, :mod:`memplan.analysis.cost`). Each pass runs under the policy with ``max_overhead``
+    set to what is left of that allowance, as a share of the predicted time of the graph it is given
+    (the share its own candidates' overheads are counted in), so the passes of a pipeline share one
+    allowance instead of each taking it again.
 
     Rollback
     --------
@@ -482,8 +503,10 @@ class PassManager:
         on_failure: str | None = None,
         before_pass: Instrument | None = None,
         after_pass: Instrument | None = None,
+        rates: CostRates | str | None = None,
     ):
         self.passes = parse_pipeline(pipeline)
+        self.rates = rates
         self.policy = policy or Policy()
         self.options = dict(options or {})
         self.reproducer_dir = pathlib.Path(reproducer_dir) if reproducer_dir is not None else None
@@ -636,6 +659,8 @@ class PassManager:
         # Rolling back, a failed last check runs the passes again with the check after each, which
         # names the pass to roll back: the cost falls on the run that found a broken pass.
         stepwise = self.reproducer_dir is not None
+        rates = rates_for(self.rates, _device_of(graph))
+        timing = (rates, eager_seconds(pristine if pristine is not None else graph, rates))
         source = None
         if rollback or stepwise:
             source = dataclasses.replace(_snapshot(graph) if pristine is None else pristine, lifetimes="graph")
@@ -646,12 +671,12 @@ class PassManager:
             if baseline is None:
                 baseline = mutation_hazards(graph, am)
             try:
-                return self._attempt(graph, am, policy, passes, baseline, stepwise, skipped)
+                return self._attempt(graph, am, policy, passes, baseline, stepwise, skipped, timing)
             except _PassFailed as failure:
                 if rollback and failure.final and not stepwise:
                     stepwise = True  # again, checking after each pass, to find the pass that added it
                 else:
-                    path = self._save(failure, source, policy, known, passes, skipped)
+                    path = self._save(failure, source, policy, known, passes, skipped, timing)
                     if not rollback or failure.fatal:
                         raise self._error(failure, passes, skipped, path) from failure.cause
                     skipped[failure.index] = failure.what
@@ -663,7 +688,7 @@ class PassManager:
 
     def _attempt(self, graph: CapturedGraph, am: AnalysisManager, policy: Policy, passes: Sequence[str],
                  baseline: frozenset[tuple[str, str]], stepwise: bool, skipped: Mapping[int, str],
-                 stop: int | None = None) -> PipelineResult:
+                 timing: tuple[CostRates, float] = (REFERENCE_RATES, 0.0), stop: int | None = None) -> PipelineResult:
         """One run of ``passes`` on ``graph``, leaving out those in ``skipped`` (recorded as rolled back);
         raises :class:`_PassFailed` at the first failure. ``stop``: return before that pass, without
         calling the hooks (the graph a failing pass was given, made again for its reproducer)."""
@@ -671,18 +696,20 @@ class PassManager:
         names = None if stepwise else {(n.name, n.target) for n in graph.gm.graph.nodes}
         created: list[tuple[int, str, set[str]]] = []  # (index, pass, names of the nodes it added or retargeted)
         records = []
+        rates, eager = timing
+        predicted = graph_cost(graph, rates)  # predicted seconds of the plan so far
         for i, name in enumerate(passes):
             if i == stop:
                 break
             if i in skipped:
                 peak = am.get(PeakSimulation).peak
                 records.append(PassRecord(name, False, PassStats(), (f"rolled back: {skipped[i]}",), 0.0, peak, peak,
-                                          rolled_back=skipped[i]))
+                                          rolled_back=skipped[i], time_before=predicted, time_after=predicted))
                 continue
             if hooks and self.before_pass is not None:
                 self.before_pass(name, graph)
             peak_before = am.get(PeakSimulation).peak
-            ctx = PassContext(am=am, policy=policy, options=self.options)
+            ctx = PassContext(am=am, policy=_pass_policy(policy, eager, predicted), options=self.options, rates=rates)
             start = time.perf_counter()
             try:
                 result = _REGISTRY[name].fn(graph, ctx)
@@ -715,12 +742,13 @@ class PassManager:
                     created.append((i, name, {node for node, _ in now - names}))
                     names = now
                 graph = result.graph
+                later = graph_cost(graph, rates)
             elif result.graph is not graph:
                 raise _PassFailed(i, name, "returned a new graph but reported changed=False", graph)
             peak_after = am.get(PeakSimulation).peak
-            records.append(
-                PassRecord(name, result.changed, result.stats, result.notes, seconds, peak_before, peak_after, result.plan)
-            )
+            before, predicted = predicted, later if result.changed else predicted
+            records.append(PassRecord(name, result.changed, result.stats, result.notes, seconds, peak_before, peak_after,
+                                      result.plan, time_before=before, time_after=predicted))
             if hooks and self.after_pass is not None:
                 self.after_pass(name, graph)
         if created and stop is None:
@@ -732,11 +760,11 @@ class PassManager:
                 i, name, _ = next((c for c in reversed(created) if c[2] & involved), created[-1])
                 what = f"broke an invariant: {_hazard_message(new)} (checked after the last pass; a reproducer_dir checks after each)"
                 raise _PassFailed(i, name, what, graph, nodes=sorted(new)[0], final=True)
-        return PipelineResult(graph, tuple(records), am)
+        return PipelineResult(graph, tuple(records), am, eager_time=eager, plan_time=predicted)
 
     def _save(self, failure: "_PassFailed", source: CapturedGraph | None, policy: Policy,
               known: Mapping[type, Any] | None, passes: Sequence[str],
-              skipped: Mapping[int, str]) -> pathlib.Path | None:
+              skipped: Mapping[int, str], timing: tuple[CostRates, float]) -> pathlib.Path | None:
         """Save the failing pass's reproducer: the graph it was given (made again from ``source``, as the
         pass may have edited the one it had) and the pipeline from it on. None: nothing to save from."""
         key = (failure.name, failure.what)
@@ -749,7 +777,7 @@ class PassManager:
         try:
             am = AnalysisManager(before, known)
             before = self._attempt(before, am, policy, passes, mutation_hazards(before, am), False, skipped,
-                                   stop=failure.index).graph
+                                   timing, stop=failure.index).graph
         except _PassFailed:  # the passes before it failed this time: replay all of them from the first graph
             before = source
             rest = ",".join(p for j, p in enumerate(passes) if j not in skipped)
@@ -787,6 +815,34 @@ class PassManager:
                                   reproducer=None if path is None else str(path)),
             stacklevel=user_stacklevel(),
         )
+
+
+def _pass_policy(policy: Policy, eager: float, now: float) -> Policy:
+    """The policy a pass runs under when eager's step is predicted at ``eager`` seconds and the plan so
+    far at ``now``: ``max_overhead`` becomes what is left of the whole plan's allowance
+    (``eager * (1 + max_overhead) - now``) as a share of ``now``, the share the pass counts its
+    candidates' overheads in.
+
+    >>> _pass_policy(Policy(max_overhead=0.3), eager=10.0, now=8.0).max_overhead
+    0.625
+    >>> _pass_policy(Policy(max_overhead=0.3), eager=10.0, now=14.0).max_overhead
+    0.0
+    """
+    if eager <= 0 or now <= 0:
+        return policy
+    left = max(0.0, eager * (1.0 + policy.max_overhead) - now)
+    return dataclasses.replace(policy, max_overhead=left / now)
+
+
+def _device_of(graph: CapturedGraph) -> torch.device:
+    """The device of the graph's first tensor input (the device its plan runs on)."""
+    for node in graph.gm.graph.nodes:
+        if node.op != "placeholder":
+            break
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return torch.device("cpu")
 
 
 class _PassFailed(Exception):

@@ -1,4 +1,5 @@
 import logging
+import os
 
 import pytest
 from hypothesis import settings
@@ -6,6 +7,10 @@ from hypothesis import settings
 from memplan.pipeline import pass_failures
 
 pytest_plugins = ["pytester"]
+
+# Plans are priced with the time model's reference rates, not the rates calibrated on the machine that
+# runs the suite: the same plans, and so the same peaks, on every machine (see memplan.analysis.cost).
+os.environ["MEMPLAN_RATES"] = "reference"
 
 # The plain test run draws the same examples on every machine and every run, so a failure is the
 # change's, and the command that failed reproduces it. `--hypothesis-profile=explore` draws new

@@ -120,7 +120,7 @@ from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph, Phase
 from memplan.errors import InfeasibleBudgetError
 from memplan.graphutil import is_pure_view, is_random, mutated_args, packet_name
-from memplan.passes._chunk.cost import CostRates, graph_cost, module_cost, op_work
+from memplan.analysis.cost import REFERENCE_RATES, CostRates, graph_cost, module_cost, op_work
 from memplan.passes._chunk.graphs import (
     ALIAS_OPS,
     BackwardIndex,
@@ -1318,8 +1318,9 @@ class ChunkOptions:
         Try that only for a loop whose chunk needs at least this fraction of the peak (otherwise
         chunking its body cannot lower the peak much).
     rates : CostRates
-        The cost model behind the overhead estimate, priced for ``rates.threads`` intra-op threads
-        (one by default; None: torch's thread count when the pass runs).
+        The time model's rates behind the overhead estimate, priced for ``rates.threads`` intra-op
+        threads; in a pipeline, the pipeline's unless ``"chunk.rates"`` is given (see
+        :func:`memplan.analysis.cost.rates_for`).
     """
 
     counts: tuple[int, ...] = (2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
@@ -1333,12 +1334,13 @@ class ChunkOptions:
     min_gain: float = 0.05
     nest: bool = True
     nest_fraction: float = 0.25
-    rates: CostRates = CostRates()
+    rates: CostRates = REFERENCE_RATES
 
     @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> "ChunkOptions":
-        options = pass_options(cls, "chunk", options)
-        return dataclasses.replace(options, rates=options.rates.resolved())
+    def from_options(cls, options: Mapping[str, Any], rates: CostRates = REFERENCE_RATES) -> "ChunkOptions":
+        """The options ``options`` sets, priced with ``rates`` unless ``"chunk.rates"`` is among them."""
+        chosen = pass_options(cls, "chunk", options)
+        return dataclasses.replace(chosen, rates=(chosen.rates if "chunk.rates" in options else rates).resolved())
 
 
 _TRIAL_STEPS = 4  # rule evaluations in one trial of _inverse: each may ask one more operand sliced
@@ -2001,12 +2003,13 @@ def _latest_of_equals(candidates: Sequence[Candidate], best: Candidate, position
 @register_pass("chunk", options=ChunkOptions.from_options)
 def chunk(graph: CapturedGraph, ctx: PassContext) -> PassResult:
     """Run regions whose huge intermediates are reduced or sliced away in chunks (see the module docstring)."""
-    plan, new = _plan(graph, ctx.policy, ctx.options, ctx.am)
+    options = ChunkOptions.from_options(ctx.options, ctx.rates)
+    plan, new = _plan(graph, ctx.policy, options, ctx.am)
     if not plan.regions:
         return PassResult(graph, changed=False, plan=plan)
     before = ctx.am.get(PeakSimulation).peak
     after = AnalysisManager(new).get(PeakSimulation).peak
-    rates = ChunkOptions.from_options(ctx.options).rates
+    rates = options.rates
     base = graph_cost(graph, rates)
     overhead = max(0.0, graph_cost(new, rates) / base - 1.0) if base > 0 else 0.0
     nodes = sum(len(r.forward) + len(r.backward) for r in plan.regions)

@@ -110,6 +110,7 @@ import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from memplan.analysis.cost import REFERENCE_RATES, CostRates, node_cost, submodule_cost
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation, step_margin
 from memplan.analysis.tensors import Tensors, tensor_values
@@ -136,6 +137,7 @@ __all__ = [
     "StackRead",
     "RecomputeGroup",
     "RematPlan",
+    "copy_costs",
     "node_flops",
     "graph_flops",
     "module_flops",
@@ -255,6 +257,7 @@ class NodeFacts:
     view_of: str | None = None  # the one input whose storage this node only views (no FLOPs, no storage)
     unit: str | None = None  # first node of the in-place unit it belongs to (see ``RematFacts.units``)
     storages: tuple[int, ...] = ()  # the storages ``save_bytes`` counts
+    seconds: float = 0.0  # predicted seconds of one run of it (the time model's, see memplan.analysis.cost)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,10 +271,12 @@ class RematFacts:
     forward_flops: int
     units: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # member -> its unit
     storage_bytes: Mapping[int, int] = dataclasses.field(default_factory=dict)  # storage id -> bytes
+    total_seconds: float = 0.0  # predicted seconds of the whole graph run as a plan (graph_cost)
 
     @classmethod
     def compute(cls, graph: CapturedGraph, am: AnalysisManager,
-                ban_ops: Iterable[str] = DEFAULT_BAN_OPS) -> "RematFacts":
+                ban_ops: Iterable[str] = DEFAULT_BAN_OPS, rates: CostRates = REFERENCE_RATES) -> "RematFacts":
+        """The facts of ``graph``; ``rates`` price each node's time (what recomputing it adds to the step)."""
         tensors = _StorageIndex(am.get(Tensors))
         ban = frozenset(ban_ops)
         nodes = list(graph.gm.graph.nodes)
@@ -284,10 +289,15 @@ class RematFacts:
         inputs: dict[str, tuple[str, ...]] = {}
         needed: list[str] = []
         total = forward = 0
+        rates = rates.resolved()
+        total_seconds = 0.0
         for node in nodes:
+            seconds = 0.0
             if node.op == "call_function":
                 flops = node_flops(node, tensors)
+                seconds = node_cost(node, rates)
                 total += flops
+                total_seconds += seconds
                 if graph.phases.get(node.name) is not Phase.FORWARD:
                     continue
                 forward += flops
@@ -296,6 +306,7 @@ class RematFacts:
                 # out, the share of any recomputation would be priced against too small a whole. (The
                 # forward FLOPs, which scale the cuts' prices, stay those of the nodes the cuts see.)
                 total += module_flops(graph.gm.get_submodule(node.target))
+                total_seconds += submodule_cost(graph.gm.get_submodule(node.target), rates)
                 continue
             elif node.op not in ("placeholder", "get_attr") or node.name in tangents:
                 continue
@@ -336,6 +347,7 @@ class RematFacts:
                 expensive=expensive,
                 signature=_signature(node) if expensive else "",
                 flops=flops,
+                seconds=seconds,
                 save_bytes=sum(tensors.storages[sid].nbytes for sid in counted),
                 storages=counted,
                 saveable=node.op != "call_function" or isinstance(node.meta.get("val"), torch.Tensor),
@@ -351,7 +363,7 @@ class RematFacts:
                 facts[member] = dataclasses.replace(facts[member], recomputable=False, why_not=why)
         storage_bytes = {sid: tensors.storages[sid].nbytes for fact in facts.values() for sid in fact.storages}
         return cls(nodes=facts, inputs=inputs, needed=tuple(needed), total_flops=total, forward_flops=forward,
-                   units=units, storage_bytes=storage_bytes)
+                   units=units, storage_bytes=storage_bytes, total_seconds=total_seconds)
 
     def saved_bytes(self) -> int:
         """Bytes the graph saves: the storages of needed nodes that cost to save, each counted once.
@@ -2001,8 +2013,10 @@ def plan_remat(
     am: AnalysisManager,
     policy: Policy,
     options: RematOptions = RematOptions(),
+    rates: CostRates = REFERENCE_RATES,
 ) -> tuple[Candidate[RematPlan], tuple[Candidate[RematPlan], ...]]:
-    """Every candidate plan with its simulated peak and overhead, and the one the policy chooses.
+    """Every candidate plan with its simulated peak and overhead (its recomputation's predicted seconds
+    over the graph's, by ``rates``), and the one the policy chooses.
 
     Raises
     ------
@@ -2011,7 +2025,7 @@ def plan_remat(
     """
     # Step 1: facts of the graph as given (its peak and compute are the reference).
     simulation = VirtualSimulation(graph, am)
-    facts = RematFacts.compute(graph, am, options.ban_ops)
+    facts = RematFacts.compute(graph, am, options.ban_ops, rates)
     backward = backward_reads(graph)
     base_peak = am.get(PeakSimulation).peak + simulation.margin  # the pipeline computes it anyway
     candidates = [Candidate(RematPlan("keep everything"), base_peak, 0.0, "keep everything")]
@@ -2026,6 +2040,7 @@ def plan_remat(
 
     # Steps 3-4: cuts, each repaired for hoisting; one candidate per distinct recompute set.
     seen: set[frozenset[str]] = set()
+    costs = copy_costs(facts)
     bounded = options.bound and policy.budget is None
     pending: list[tuple[int, int, RematPlan, CopyPlan, float, str]] = []  # (floor, order, ...) to simulate
     for label, recompute in _cut_sets(facts, options):
@@ -2037,14 +2052,14 @@ def plan_remat(
         copies = plan_copies(groups, inputs=inputs, backward=backward, units=facts.units)
         if not copies.copies:
             continue
-        extra = sum(facts.nodes[name].flops for _, name in copies.copies)
+        extra = sum(costs[name] for _, name in copies.copies)
         direct = {v for n, _, fw in backward for v in fw if v not in copies.reads.get(n, {})}
         saved = sorted(copies.originals_read() | direct,
                        key=lambda n: facts.nodes[n].position if n in facts.nodes else -1)
         plan = RematPlan(label, stack_reads=reads, groups=groups, units=tuple(dict.fromkeys(copies.units.values())),
                          recomputed=copies.recomputed, saved=tuple(saved), copies=copies,
                          planned_on=simulation.names)
-        overhead = extra / max(1, facts.total_flops)
+        overhead = extra / facts.total_seconds if facts.total_seconds > 0 else 0.0
         if not policy.may_take(overhead):
             continue  # never taken (the plan keeping everything costs nothing): not simulated
         floor = simulation.step_floor(plan.saved, reads) if bounded else 0
@@ -2064,6 +2079,16 @@ def plan_remat(
 
     # Step 6: the policy chooses among the candidates no other beats on both peak and overhead.
     return policy.choose(pareto_front(candidates)), tuple(candidates)
+
+
+def copy_costs(facts: RematFacts) -> dict[str, float]:
+    """Predicted seconds of one copy of each forward node: its own, or, for the creator of an in-place
+    unit (the key its copy goes by), the whole unit's, which is copied with it."""
+    costs = {name: fact.seconds for name, fact in facts.nodes.items()}
+    for member, unit in facts.units.items():
+        if member == unit[0]:
+            costs[member] = sum(facts.nodes[m].seconds for m in unit if m in facts.nodes)
+    return costs
 
 
 def _with_tuple_parents(graph: CapturedGraph, facts: RematFacts, recompute: frozenset[str]) -> frozenset[str]:
@@ -2109,7 +2134,7 @@ def remat(graph: CapturedGraph, ctx: PassContext) -> PassResult:
     if not graph.training:
         return PassResult(graph, changed=False, notes=("inference graph: nothing is saved for backward",))
     options = RematOptions.from_mapping(ctx.options)
-    chosen, candidates = plan_remat(graph, ctx.am, ctx.policy, options)
+    chosen, candidates = plan_remat(graph, ctx.am, ctx.policy, options, ctx.rates)
     plan = chosen.plan
     if not plan.changes:
         return PassResult(graph, changed=False, plan=plan,

@@ -83,6 +83,7 @@ import numpy as np
 import torch
 import torch.fx
 
+from memplan.analysis.cost import REFERENCE_RATES, CostRates
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation
 from memplan.capture import CapturedGraph, Phase
@@ -95,6 +96,7 @@ from memplan.passes.remat import (
     VirtualSimulation,
     after_stack_reads,
     backward_reads,
+    copy_costs,
     forward_inputs,
     pareto_front,
     apply_remat,
@@ -428,14 +430,14 @@ def _model(steps: int, state: float, activation: float, schedule: Schedule, cost
 @dataclasses.dataclass(frozen=True)
 class _Steps:
     """What the schedules need of one loop: per step, the nodes a group may copy and the backward
-    nodes it serves; and the step's mean state, activation and FLOPs."""
+    nodes it serves; and the step's mean state, activation and predicted seconds of its copyable nodes."""
 
     loop: Loop
     nodes: tuple[frozenset[str], ...]
     serves: tuple[frozenset[str], ...]
     state: float
     activation: float
-    flops: float
+    seconds: float
     step_of: Mapping[str, int] = dataclasses.field(default_factory=dict)  # a copyable node -> its step
 
 
@@ -461,7 +463,7 @@ class _StepNodes:
 def _describe_steps(graph: CapturedGraph, loop: Loop, facts: RematFacts,
                     backward_by_seq: Mapping[int, list[str]]) -> _Steps:
     nodes, serves = [], []
-    activation = flops = 0.0
+    activation = seconds = 0.0
     for step in loop.steps:
         inside = set(step)
         copyable = frozenset(
@@ -473,10 +475,10 @@ def _describe_steps(graph: CapturedGraph, loop: Loop, facts: RematFacts,
         seqs = {graph.seq_nr[n] for n in step if n in graph.seq_nr}
         serves.append(frozenset(b for seq in seqs for b in backward_by_seq.get(seq, ())))
         activation += sum(facts.nodes[n].save_bytes for n in copyable if facts.nodes[n].first_reader is not None)
-        flops += sum(facts.nodes[n].flops for n in copyable)
+        seconds += sum(facts.nodes[n].seconds for n in copyable)
     count = max(1, len(loop.steps))
     step_of = {name: t for t, names in enumerate(nodes) for name in names}
-    return _Steps(loop, tuple(nodes), tuple(serves), float(loop.state_bytes), activation / count, flops / count,
+    return _Steps(loop, tuple(nodes), tuple(serves), float(loop.state_bytes), activation / count, seconds / count,
                   step_of)
 
 
@@ -504,7 +506,7 @@ def _schedules(loops: Sequence[_Steps], options: TimestepOptions, cost: np.ndarr
             for s in loops:
                 m, w = _model(s.loop.iterations, s.state, s.activation, schedule, cost)
                 memory += m
-                work += w * s.flops
+                work += w * s.seconds
             scored.append((memory, work, schedule))
     front = [c for c in scored
              if not any(o[0] <= c[0] and o[1] <= c[1] and (o[0] < c[0] or o[1] < c[1]) for o in scored)]
@@ -512,7 +514,16 @@ def _schedules(loops: Sequence[_Steps], options: TimestepOptions, cost: np.ndarr
     if len(front) > options.max_candidates:
         picks = np.linspace(0, len(front) - 1, options.max_candidates).round().astype(int)
         front = [front[i] for i in sorted(set(picks.tolist()))]
-    return [c[2] for c in front]
+    chosen = [c[2] for c in front]
+    # Segments recomputed whole all cost one forward of each step, so the model keeps only the length
+    # it thinks lowest; but it prices a segment's backward as its steps' activations alone, and the
+    # simulated peaks of lengths near sqrt(steps) (the usual hand-placed checkpointing) come out lower
+    # than that one's on recurrent cells. They are simulated too.
+    if 0 in options.slots:
+        root = math.sqrt(longest)
+        near = sorted(length for length in lengths | {round(root)} if root / 2 <= length <= 2 * root and length > 1)
+        chosen += [Schedule(length, 0) for length in near if Schedule(length, 0) not in chosen]
+    return chosen
 
 
 def _groups(loops: Sequence[_Steps], schedule: Schedule, split: np.ndarray) -> tuple[RecomputeGroup, ...]:
@@ -538,8 +549,10 @@ def plan_timesteps(
     am: AnalysisManager,
     policy: Policy,
     options: TimestepOptions = TimestepOptions(),
+    rates: CostRates = REFERENCE_RATES,
 ) -> tuple[Candidate[RematPlan], tuple[Candidate[RematPlan], ...], tuple[Loop, ...]]:
-    """Candidates (simulated), the policy's choice, and the loops found.
+    """Candidates (simulated), the policy's choice, and the loops found. A candidate's overhead is its
+    recomputation's predicted seconds (by ``rates``) over the graph's.
 
     Raises
     ------
@@ -547,7 +560,7 @@ def plan_timesteps(
         When the policy has a budget that no candidate meets; it names the smallest reachable peak.
     """
     # Steps 1-3: facts (what may be recomputed, what is free to save), loops and their steps.
-    facts = RematFacts.compute(graph, am)
+    facts = RematFacts.compute(graph, am, rates=rates)
     reads = plan_stack_reads(graph, am)
     facts = after_stack_reads(facts, reads)
     simulation = VirtualSimulation(graph, am)
@@ -572,31 +585,31 @@ def plan_timesteps(
     cost, split = checkpoint_costs(longest, max(options.slots))
     refused: list[float] = []  # overheads of the schedules the policy can never take (inf: only over the limit)
     over: list[tuple[float, tuple[RecomputeGroup, ...]]] = []  # (model's work, groups) of those not counted in full
-    flops = {name: fact.flops for name, fact in facts.nodes.items()}
+    seconds = copy_costs(facts)
     # Without a budget the policy never takes more than max_overhead: a schedule's copies are counted
     # only until they cost more (one slot over a long loop makes the square of its length).
     # With a budget the policy takes the least overhead that fits it: once a candidate fits, a schedule
     # whose copies cost more can never be taken, and is counted only until they do. Schedules go in the
     # order of the model's work, so the cheap ones that may fit come first.
-    total = max(1, facts.total_flops)
+    total = facts.total_seconds or 1.0
     limit = None if policy.budget is not None else policy.max_overhead * total
-    schedules = [(sum(_model(x.loop.iterations, x.state, x.activation, schedule, cost)[1] * x.flops for x in loops), schedule)
+    schedules = [(sum(_model(x.loop.iterations, x.state, x.activation, schedule, cost)[1] * x.seconds for x in loops), schedule)
                  for schedule in _schedules(loops, options, cost)]
     for work, schedule in sorted(schedules, key=lambda w: w[0]):
         if policy.budget is not None:
             limit = min((c.overhead * total for c in candidates if c.peak <= policy.budget), default=None)
         groups = _groups(loops, schedule, split)
-        copies = plan_copies(groups, inputs=inputs, backward=backward, units=facts.units, flops=flops, limit=limit)
+        copies = plan_copies(groups, inputs=inputs, backward=backward, units=facts.units, flops=seconds, limit=limit)
         if copies is None:
             if policy.budget is None:
                 refused.append(math.inf)
                 over.append((work, groups))
             continue  # never taken: it costs more than max_overhead, or than a candidate that fits the budget
-        extra = sum(facts.nodes[name].flops for _, name in copies.copies)
+        extra = sum(seconds[name] for _, name in copies.copies)
         label = str(schedule)
         plan = RematPlan(label, stack_reads=reads, groups=groups, units=tuple(dict.fromkeys(copies.units.values())),
                          recomputed=copies.recomputed, copies=copies, planned_on=simulation.names)
-        overhead = extra / max(1, facts.total_flops)
+        overhead = extra / total
         if not policy.may_take(overhead):
             refused.append(overhead)
             continue  # never taken: not simulated
@@ -606,15 +619,15 @@ def plan_timesteps(
         # each counted only up to the least found so far
         least = min(refused)
         for _, groups in sorted(over, key=lambda o: o[0]):
-            bound = None if least == math.inf else least * max(1, facts.total_flops)
-            copies = plan_copies(groups, inputs=inputs, backward=backward, units=facts.units, flops=flops, limit=bound)
+            bound = None if least == math.inf else least * total
+            copies = plan_copies(groups, inputs=inputs, backward=backward, units=facts.units, flops=seconds, limit=bound)
             if copies is not None:
-                least = sum(facts.nodes[name].flops for _, name in copies.copies) / max(1, facts.total_flops)
+                least = sum(seconds[name] for _, name in copies.copies) / total
         # say why the steps are all kept: a user reads this in the plan's notes
         candidates[0] = dataclasses.replace(candidates[0], label=(
             f"keep every step: each of the {len(refused)} schedules recomputes more than max_overhead="
             f"{policy.max_overhead:g} allows"
-            + f" (the least +{least:.1%} of the step's FLOPs)"
+            + f" (the least +{least:.1%} of the step's predicted time)"
             + "; a budget or a higher max_overhead lets the pass take one"))
 
     # Step 5 (end): the policy picks among the candidates no other beats on both counts.
@@ -633,7 +646,7 @@ def timesteps(graph: CapturedGraph, ctx: PassContext) -> PassResult:
     if not graph.training:
         return PassResult(graph, changed=False, notes=("inference graph: nothing is saved for backward",))
     options = TimestepOptions.from_mapping(ctx.options)
-    chosen, candidates, loops = plan_timesteps(graph, ctx.am, ctx.policy, options)
+    chosen, candidates, loops = plan_timesteps(graph, ctx.am, ctx.policy, options, ctx.rates)
     plan = chosen.plan
     found = "; ".join(str(loop) for loop in loops) or "no loop found"
     if not plan.changes:

@@ -19,7 +19,7 @@ from memplan.analysis.tensors import Tensors
 from memplan.capture import capture
 from memplan.graphutil import is_random, packet_name
 from memplan.measure import measure
-from memplan.passes._chunk.cost import CostRates
+from memplan.analysis.cost import CostRates
 from memplan.passes.chunk import (
     REP,
     Barrier,
@@ -748,7 +748,7 @@ def test_one_built_body_prices_every_chunk_length(name, model, inputs):
     # A body at another chunk length has the same nodes, storages and live intervals; values that
     # carry the index scale with the length. So one build gives every length's peak and cost exactly.
     from memplan.passes import chunk as chunk_pass
-    from memplan.passes._chunk.cost import CostRates, module_cost
+    from memplan.analysis.cost import CostRates, module_cost
     from memplan.passes._chunk.loops import BodyModel, body_peak
 
     graph, _, regions = _regions_of(model, inputs)
@@ -806,7 +806,7 @@ def test_pruning_bounds_never_exceed_what_is_built(name, model, inputs):
     from memplan.analysis.liveness import Liveness
     from memplan.analysis.tensors import Tensors
     from memplan.passes import chunk as chunk_pass
-    from memplan.passes._chunk.cost import graph_cost
+    from memplan.analysis.cost import graph_cost
 
     graph, am, regions = _regions_of(model, inputs)
     options = chunk_pass.ChunkOptions()
@@ -854,9 +854,9 @@ def test_body_recomputes_a_cheap_value_read_late_and_holds_less():
 
 def test_saved_indices_are_stored_narrow_and_factories_never_saved():
     # chain_product's saved variant keeps the maxima and their indices (over 48 states: uint8), never
-    # the zero padding block (a factory: free to make again)
+    # the zero padding block (a factory: free to make again); the tighter allowance makes it save
     w = examples.make("chain_product")
-    opt = memplan.optimize(w.model, passes="rewrite,chunk")
+    opt = memplan.optimize(w.model, passes="rewrite,chunk", max_overhead=0.1)
     assert_equivalent(w.model, opt, *w.inputs)
     (chunk_record,) = [r for r in opt.plan.records if r.name == "chunk"]
     saved = [name for region in chunk_record.plan.regions for name in region.saved]
@@ -918,7 +918,7 @@ def test_body_negates_the_sum_not_the_gradient_and_folds_it_into_a_subtraction()
 
 
 def test_more_threads_speed_up_whole_ops_only_above_the_grain():
-    from memplan.passes._chunk.cost import OpWork
+    from memplan.analysis.cost import OpWork
 
     big = OpWork(fixed_bytes=8 * 2**20, elements=2**20)
     small = OpWork(fixed_bytes=8 * 2**14, elements=2**14)  # below the grain: one thread
@@ -936,7 +936,7 @@ def test_chunking_costs_more_at_two_threads_and_the_default_prices_one():
     """The original graph's whole-batch ops use both threads, a chunk's small ops fewer: the same chunked
     graph is priced further above the original at two threads. The default prices one thread, so plans
     do not depend on the machine's cores."""
-    from memplan.passes._chunk.cost import graph_cost
+    from memplan.analysis.cost import graph_cost
 
     assert CostRates().threads == 1
     w = examples.make("chain_product")

@@ -18,7 +18,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from memplan.capture import CapturedGraph, Phase
-from memplan.graphutil import mutated_args, packet_name
+from memplan.graphutil import ALIAS_OPS, mutated_args, packet_name
 
 __all__ = [
     "ALIAS_OPS",
@@ -41,9 +41,6 @@ __all__ = [
 # small graph helpers shared with the rewrite pass
 
 
-ALIAS_OPS = {"view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "unsqueeze", "squeeze",
-              "select", "slice", "narrow", "alias", "detach", "as_strided", "diagonal", "unbind", "split",
-              "split_with_sizes", "chunk", "unfold", "view_as", "_reshape_alias", "lift_fresh"}
 
 
 def owned_by(node: torch.fx.Node, members: Container[torch.fx.Node]) -> bool:

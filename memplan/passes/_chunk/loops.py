@@ -25,7 +25,7 @@ from memplan.analysis.peak import PeakSimulation
 from memplan.analysis.tensors import Tensors, tensor_values
 from memplan.capture import CapturedGraph, InputSpec, OutputSpec, Phase
 from memplan.graphutil import is_random, mutated_args, packet_name
-from memplan.passes._chunk.cost import CostRates, OpWork, module_cost, op_work
+from memplan.analysis.cost import CostRates, OpWork, module_cost, op_work
 from memplan.passes._chunk.graphs import ALIAS_OPS, fake_call, graph_module
 from memplan.passes._chunk.rules import REP, Split, State, arg_of, norm_dim, shape_of
 from memplan.passes.inplace import apply_inplace, plan_inplace
@@ -581,7 +581,7 @@ class BodyModel:
     carries the index changes its size in proportion to the length, every other value keeps its size.
     So one built body prices every length: ``peak`` re-walks the body's storages with scaled sizes (the
     walk of :class:`~memplan.analysis.peak.PeakSimulation`), ``cost`` scales each op's work
-    (:class:`~memplan.passes._chunk.cost.OpWork`).
+    (:class:`~memplan.analysis.cost.OpWork`).
     """
 
     length: int
