@@ -69,12 +69,28 @@ class MemoryAnalysis:
         """The memory report of the model as written; ``.save_html(path)`` writes it."""
         return build_report(self.graph, title=title, parameter_bytes=parameter_bytes(self.graph))
 
+    def to_snapshot(self) -> dict:
+        """The predicted timeline as the dictionary ``torch.cuda.memory._snapshot()`` returns, for
+        PyTorch's memory visualizer (see :mod:`memplan.report.snapshot`); no CUDA needed."""
+        from memplan.report.snapshot import to_snapshot
+
+        return to_snapshot(self.graph, self._analyses(), label="eager")
+
+    def save_snapshot(self, path: str) -> str:
+        """Pickle :meth:`to_snapshot` to ``path``; open it at https://pytorch.org/memory_viz. Returns the path."""
+        from memplan.report.snapshot import save_snapshot
+
+        return save_snapshot(self.to_snapshot(), path)
+
+    def _analyses(self) -> AnalysisManager:
+        known = {Tensors: self.tensors, Liveness: self.liveness, SavedForBackward: self.saved,
+                 PeakSimulation: self.simulation}
+        return AnalysisManager(self.graph, known)
+
     def explain(self, top: int = 10) -> Explanation:
         """What is alive at the peak: summed by kind, by layer (module path) and by source line, a one-line
         diagnosis of what would lower it, then the ``top`` largest tensors with why each is alive."""
-        known = {Tensors: self.tensors, Liveness: self.liveness, SavedForBackward: self.saved,
-                 PeakSimulation: self.simulation}
-        return explain_peak(self.graph, AnalysisManager(self.graph, known), top)
+        return explain_peak(self.graph, self._analyses(), top)
 
 
 def analyze(

@@ -64,9 +64,14 @@ def _analyze(args: argparse.Namespace) -> int:
     from memplan.analysis.explain_text import torch_line
     from memplan.analyze import analyze
 
+    if args.snapshot is not None:
+        _check_directory("analyze", args.snapshot)
     name, model, inputs = load_target(args.workload, size=args.size, device=args.device)
     result = analyze(model, *inputs, train=args.mode == "train")
     explanation = result.explain(top=args.top)
+    if args.snapshot is not None:
+        path = result.save_snapshot(args.snapshot)
+        print(f"memory snapshot written to {path} (open it at {MEMORY_VIZ})", file=sys.stderr)
     if args.json:
         payload = {
             "workload": name,
@@ -142,17 +147,30 @@ def load_target(spec: str, size: str = "small", device: str = "cpu"):
     return f"{file.name}:{attr}", model, tuple(inputs)
 
 
-def _report(args: argparse.Namespace) -> int:
+#: PyTorch's memory visualizer, which opens the snapshots ``--snapshot`` writes.
+MEMORY_VIZ = "https://pytorch.org/memory_viz"
+
+
+def _check_directory(command: str, path: str) -> None:
+    """Exit with a message when ``path``'s directory does not exist: said before planning, which can take
+    a while."""
     import pathlib
 
+    parent = pathlib.Path(path).parent
+    if not parent.is_dir():
+        raise SystemExit(f"memplan {command}: cannot write {path}: no such directory {parent}")
+
+
+def _report(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from memplan.api import optimize
+    from memplan.report.snapshot import snapshot_paths
     from memplan.steps import step_fn
 
-    out = pathlib.Path(args.out)
-    if not out.parent.is_dir():  # said before planning, which can take a while
-        raise SystemExit(f"memplan report: cannot write {out}: no such directory {out.parent}")
+    _check_directory("report", args.out)
+    if args.snapshot is not None:
+        _check_directory("report", args.snapshot)
     name, model, inputs = load_target(args.target, size=args.size, device=args.device)
     opt = optimize(model, passes=args.passes if args.passes != "default" else None)
     step_fn(opt, inputs, train=args.mode == "train")()
@@ -162,6 +180,12 @@ def _report(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     console.print(plan.headline())
     console.print(f"report written to {path}")
+    if args.snapshot is not None:
+        eager_path, plan_path = snapshot_paths(args.snapshot)
+        plan.save_snapshot(eager_path, which="eager")
+        plan.save_snapshot(plan_path, which="plan")
+        console.print(f"memory snapshots written to {eager_path} (as written) and {plan_path} (the plan); "
+                      f"open them at {MEMORY_VIZ}")
     return 0
 
 
@@ -191,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("--mode", choices=("train", "infer"), default="train")
     an.add_argument("--top", type=int, default=10)
     an.add_argument("--json", action="store_true")
+    an.add_argument("--snapshot", metavar="PATH", default=None,
+                    help=f"also write the predicted timeline as a PyTorch memory snapshot (pickle) for {MEMORY_VIZ}")
     an.set_defaults(func=_analyze)
 
     rep = sub.add_parser("report", help="write an HTML memory report of an example or of your model")
@@ -200,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--device", default="cpu")
     rep.add_argument("--mode", choices=("train", "infer"), default="train")
     rep.add_argument("--passes", default="default", help='pipeline to plan with ("default", "" or e.g. "remat,inplace")')
+    rep.add_argument("--snapshot", metavar="PATH", default=None,
+                     help="also write PyTorch memory snapshots of both timelines: PATH with .eager and .plan put "
+                          f"before its extension (out.pickle: out.eager.pickle, out.plan.pickle), for {MEMORY_VIZ}")
     rep.set_defaults(func=_report)
     return parser
 

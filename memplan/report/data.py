@@ -7,7 +7,10 @@ Everything here is computed from a captured graph's analyses; nothing is measure
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from collections.abc import Sequence
+
+import torch
 
 from memplan.analysis.autograd import SavedForBackward
 from memplan.analysis.liveness import Liveness
@@ -18,7 +21,7 @@ from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph, Phase
 from memplan.graphutil import packet_name
 
-__all__ = ["CATEGORIES", "Timeline", "GraphGroup", "GraphView", "PassRow", "MemoryReport", "build_report"]
+__all__ = ["CATEGORIES", "Timeline", "GraphGroup", "GraphView", "PassRow", "MemoryReport", "build_report", "graph_device"]
 
 #: Memory categories, bottom to top of the stacked timeline.
 CATEGORIES = ("parameters", "saved for backward", "temporaries", "gradients", "outputs")
@@ -38,7 +41,8 @@ class Timeline:
 
 @dataclasses.dataclass(frozen=True)
 class GraphGroup:
-    """One box of the graph view: a node, or all nodes of one source line and op (a collapsed loop)."""
+    """One box of the graph view: a node, or all nodes of one phase, op, module and source line (a collapsed
+    loop)."""
 
     key: str
     label: str
@@ -49,6 +53,7 @@ class GraphGroup:
     nbytes: int  # bytes the group's nodes allocate
     storage: int | None  # storage id when the group is a single node; colours sharing
     shares_with: int  # other nodes sharing this node's storage
+    module: str | None = None  # module path of the group's first node ("" the model's own), None outside
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,11 +75,17 @@ class PassRow:
     nodes_rewritten: int
     seconds: float
     notes: tuple[str, ...]
+    rolled_back: str | None = None  # what the pass did wrong, when the pipeline left it out
 
 
 @dataclasses.dataclass(frozen=True)
 class MemoryReport:
-    """Everything the HTML report and the console show."""
+    """Everything the HTML report and the console show.
+
+    ``before.peak`` counts the model as written with eager lifetimes (a tensor lives until the user's
+    Python drops it); the passes' ``peak_before``/``peak_after`` count graph lifetimes (a tensor dies
+    after its last use), the way a plan runs, so the first pass starts at or below ``before.peak``.
+    """
 
     title: str
     training: bool
@@ -85,6 +96,10 @@ class MemoryReport:
     passes: tuple[PassRow, ...]
     explain_before: Explanation
     explain_after: Explanation | None
+    device: str = "cpu"  # the device the graph was captured for
+    torch_version: str = torch.__version__
+    memplan_version: str = ""
+    created: str = ""  # local date and time the report was built
 
     def save_html(self, path: str) -> str:
         """Write one self-contained HTML file; returns the path."""
@@ -93,6 +108,13 @@ class MemoryReport:
         with open(path, "w", encoding="utf-8") as f:
             f.write(render_html(self))
         return path
+
+    def save_chrome_trace(self, path: str) -> str:
+        """Write the timelines as counter tracks of a Chrome trace (JSON) for ui.perfetto.dev or
+        chrome://tracing; returns the path (see :mod:`memplan.report.chrome_trace`)."""
+        from memplan.report.chrome_trace import save_chrome_trace
+
+        return save_chrome_trace(self, path)
 
     def __rich__(self):
         from rich.console import Group
@@ -157,10 +179,9 @@ def _graph_view(graph: CapturedGraph, max_nodes: int) -> GraphView:
     members: dict[str, list] = {}
     for node in nodes:
         source = graph.sources.get(node.name)
-        if collapsed:
-            key = f"{graph.phases[node.name].value}|{packet_name(node)}|{source.filename}:{source.lineno}" if source else (
-                f"{graph.phases[node.name].value}|{packet_name(node)}|-"
-            )
+        if collapsed:  # one box per phase, op, module and line: a loop's timesteps, not two layers' ops
+            line = f"{source.filename}:{source.lineno}" if source else "-"
+            key = f"{graph.phases[node.name].value}|{packet_name(node)}|{graph.modules.get(node.name)}|{line}"
         else:
             key = node.name
         keys[node.name] = key
@@ -197,6 +218,7 @@ def _graph_view(graph: CapturedGraph, max_nodes: int) -> GraphView:
                 nbytes=allocated,
                 storage=storage,
                 shares_with=shares,
+                module=graph.modules.get(first.name),
             )
         )
     edges = set()
@@ -212,7 +234,7 @@ def _pass_rows(records: Sequence) -> tuple[PassRow, ...]:
         PassRow(
             name=r.name, changed=r.changed, peak_before=r.peak_before, peak_after=r.peak_after,
             bytes_saved=r.peak_before - r.peak_after, recompute_added=r.stats.recompute_added,
-            nodes_rewritten=r.stats.nodes_rewritten, seconds=r.seconds, notes=r.notes,
+            nodes_rewritten=r.stats.nodes_rewritten, seconds=r.seconds, notes=r.notes, rolled_back=r.rolled_back,
         )
         for r in records
     )
@@ -228,6 +250,8 @@ def build_report(
     max_graph_nodes: int = 400,
 ) -> MemoryReport:
     """Build a report of ``before`` (the model as written) and, when given, ``after`` (the plan)."""
+    from memplan import __version__
+
     return MemoryReport(
         title=title,
         training=before.training,
@@ -238,4 +262,16 @@ def build_report(
         passes=_pass_rows(records),
         explain_before=explain_peak(before),
         explain_after=explain_peak(after) if after is not None else None,
+        device=str(graph_device(before)),
+        torch_version=torch.__version__,
+        memplan_version=__version__,
+        created=datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
     )
+
+
+def graph_device(graph: CapturedGraph, am: AnalysisManager | None = None) -> torch.device:
+    """The device of the graph's tensors (its first tensor's; CPU for a graph without any)."""
+    for infos in (am or AnalysisManager(graph)).get(Tensors).tensors.values():
+        for info in infos:
+            return info.device
+    return torch.device("cpu")
