@@ -52,7 +52,10 @@ __all__ = ["optimize", "OptimizedModule", "Plan", "DEFAULT_PIPELINE"]
 #: unrolled timesteps under the policy, concatenations filled part by part (after the recomputing
 #: passes, which would see the buffer written slice by slice as a storage written after it is read),
 #: and last the order with the lowest peak.
-DEFAULT_PIPELINE: tuple[str, ...] = ("rewrite", "chunk", "remat", "inplace", "timesteps", "concat", "schedule")
+# timesteps before remat: remat's cut, taken first, recomputes an unrolled loop's cheap ops and leaves
+# timesteps nothing it can checkpoint at a lower peak (a 2-layer LSTMCell loop: 1.38x lower than eager in
+# that order, 3.65x in this one); on the examples this order is as low or lower.
+DEFAULT_PIPELINE: tuple[str, ...] = ("rewrite", "chunk", "timesteps", "remat", "inplace", "concat", "schedule")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -476,10 +476,13 @@ class PassManager:
     Time
     ----
     ``max_overhead`` bounds the whole plan: its predicted step time over eager's (both from the one
-    time model, :mod:`memplan.analysis.cost`). Each pass runs under the policy with ``max_overhead``
-    set to what is left of that allowance, as a share of the predicted time of the graph it is given
-    (the share its own candidates' overheads are counted in), so the passes of a pipeline share one
-    allowance instead of each taking it again.
+    time model, :mod:`memplan.analysis.cost`). The allowance is ``eager * (1 + max_overhead)`` less the
+    predicted time of the graph the pipeline is given (the capture: eager's step less what autograd's
+    own bookkeeping costs) less the time each pass added; each pass runs under the policy with
+    ``max_overhead`` set to what is left, as a share of the predicted time of the graph it is given (the
+    share its own candidates' overheads are counted in). The passes of a pipeline share one allowance
+    instead of each taking it again. Time a pass saves (a broadcast matmul rewritten, copies made in
+    place) is not handed on: a later pass may not spend a tenfold speed-up on a few percent of memory.
 
     Rollback
     --------
@@ -698,6 +701,7 @@ class PassManager:
         records = []
         rates, eager = timing
         predicted = graph_cost(graph, rates)  # predicted seconds of the plan so far
+        left = eager * (1.0 + policy.max_overhead) - predicted  # seconds the passes may still add
         for i, name in enumerate(passes):
             if i == stop:
                 break
@@ -709,7 +713,7 @@ class PassManager:
             if hooks and self.before_pass is not None:
                 self.before_pass(name, graph)
             peak_before = am.get(PeakSimulation).peak
-            ctx = PassContext(am=am, policy=_pass_policy(policy, eager, predicted), options=self.options, rates=rates)
+            ctx = PassContext(am=am, policy=_pass_policy(policy, left, predicted), options=self.options, rates=rates)
             start = time.perf_counter()
             try:
                 result = _REGISTRY[name].fn(graph, ctx)
@@ -747,6 +751,7 @@ class PassManager:
                 raise _PassFailed(i, name, "returned a new graph but reported changed=False", graph)
             peak_after = am.get(PeakSimulation).peak
             before, predicted = predicted, later if result.changed else predicted
+            left -= max(0.0, predicted - before)
             records.append(PassRecord(name, result.changed, result.stats, result.notes, seconds, peak_before, peak_after,
                                       result.plan, time_before=before, time_after=predicted))
             if hooks and self.after_pass is not None:
@@ -817,21 +822,19 @@ class PassManager:
         )
 
 
-def _pass_policy(policy: Policy, eager: float, now: float) -> Policy:
-    """The policy a pass runs under when eager's step is predicted at ``eager`` seconds and the plan so
-    far at ``now``: ``max_overhead`` becomes what is left of the whole plan's allowance
-    (``eager * (1 + max_overhead) - now``) as a share of ``now``, the share the pass counts its
-    candidates' overheads in.
+def _pass_policy(policy: Policy, left: float, now: float) -> Policy:
+    """The policy a pass runs under when ``left`` seconds of the whole plan's allowance are left and the
+    plan so far is predicted at ``now`` seconds: ``max_overhead`` becomes ``left`` as a share of ``now``,
+    the share the pass counts its candidates' overheads in.
 
-    >>> _pass_policy(Policy(max_overhead=0.3), eager=10.0, now=8.0).max_overhead
-    0.625
-    >>> _pass_policy(Policy(max_overhead=0.3), eager=10.0, now=14.0).max_overhead
+    >>> _pass_policy(Policy(max_overhead=0.3), left=2.0, now=8.0).max_overhead
+    0.25
+    >>> _pass_policy(Policy(max_overhead=0.3), left=-1.0, now=8.0).max_overhead
     0.0
     """
-    if eager <= 0 or now <= 0:
+    if now <= 0:
         return policy
-    left = max(0.0, eager * (1.0 + policy.max_overhead) - now)
-    return dataclasses.replace(policy, max_overhead=left / now)
+    return dataclasses.replace(policy, max_overhead=max(0.0, left) / now)
 
 
 def _device_of(graph: CapturedGraph) -> torch.device:
