@@ -475,14 +475,15 @@ class PassManager:
 
     Time
     ----
-    ``max_overhead`` bounds the whole plan: its predicted step time over eager's (both from the one
-    time model, :mod:`memplan.analysis.cost`). The allowance is ``eager * (1 + max_overhead)`` less the
-    predicted time of the graph the pipeline is given (the capture: eager's step less what autograd's
-    own bookkeeping costs) less the time each pass added; each pass runs under the policy with
+    ``max_overhead`` bounds the whole plan, by one time model (:mod:`memplan.analysis.cost`): after each
+    pass the plan's predicted step time is at most ``1 + max_overhead`` times the fastest plan the
+    pipeline has had so far (the capture, or faster once a pass saved time), plus the room eager's own
+    autograd bookkeeping leaves (eager's predicted step less the capture's). So the whole plan stays
+    within ``max_overhead`` of eager's predicted step, the passes share one allowance instead of each
+    taking it again, and time a pass saves (a broadcast matmul rewritten ten times faster) is kept, not
+    spent by a later pass on a few percent of memory. Each pass runs under the policy with
     ``max_overhead`` set to what is left, as a share of the predicted time of the graph it is given (the
-    share its own candidates' overheads are counted in). The passes of a pipeline share one allowance
-    instead of each taking it again. Time a pass saves (a broadcast matmul rewritten, copies made in
-    place) is not handed on: a later pass may not spend a tenfold speed-up on a few percent of memory.
+    share its own candidates' overheads are counted in).
 
     Rollback
     --------
@@ -691,17 +692,19 @@ class PassManager:
 
     def _attempt(self, graph: CapturedGraph, am: AnalysisManager, policy: Policy, passes: Sequence[str],
                  baseline: frozenset[tuple[str, str]], stepwise: bool, skipped: Mapping[int, str],
-                 timing: tuple[CostRates, float] = (REFERENCE_RATES, 0.0), stop: int | None = None) -> PipelineResult:
+                 timing: tuple[CostRates, float], stop: int | None = None) -> PipelineResult:
         """One run of ``passes`` on ``graph``, leaving out those in ``skipped`` (recorded as rolled back);
-        raises :class:`_PassFailed` at the first failure. ``stop``: return before that pass, without
-        calling the hooks (the graph a failing pass was given, made again for its reproducer)."""
+        raises :class:`_PassFailed` at the first failure. ``timing``: the rates and eager's predicted
+        step time. ``stop``: return before that pass, without calling the hooks (the graph a failing pass
+        was given, made again for its reproducer)."""
         hooks = stop is None
         names = None if stepwise else {(n.name, n.target) for n in graph.gm.graph.nodes}
         created: list[tuple[int, str, set[str]]] = []  # (index, pass, names of the nodes it added or retargeted)
         records = []
         rates, eager = timing
         predicted = graph_cost(graph, rates)  # predicted seconds of the plan so far
-        left = eager * (1.0 + policy.max_overhead) - predicted  # seconds the passes may still add
+        room = max(0.0, eager - predicted)  # what eager's autograd costs and a plan does not
+        fastest = predicted  # the fastest plan so far
         for i, name in enumerate(passes):
             if i == stop:
                 break
@@ -713,7 +716,7 @@ class PassManager:
             if hooks and self.before_pass is not None:
                 self.before_pass(name, graph)
             peak_before = am.get(PeakSimulation).peak
-            ctx = PassContext(am=am, policy=_pass_policy(policy, left, predicted), options=self.options, rates=rates)
+            ctx = PassContext(am=am, policy=_pass_policy(policy, (1.0 + policy.max_overhead) * fastest + room - predicted, predicted), options=self.options, rates=rates)
             start = time.perf_counter()
             try:
                 result = _REGISTRY[name].fn(graph, ctx)
@@ -751,7 +754,7 @@ class PassManager:
                 raise _PassFailed(i, name, "returned a new graph but reported changed=False", graph)
             peak_after = am.get(PeakSimulation).peak
             before, predicted = predicted, later if result.changed else predicted
-            left -= max(0.0, predicted - before)
+            fastest = min(fastest, predicted)
             records.append(PassRecord(name, result.changed, result.stats, result.notes, seconds, peak_before, peak_after,
                                       result.plan, time_before=before, time_after=predicted))
             if hooks and self.after_pass is not None:

@@ -13,8 +13,10 @@ a budget, or the lowest peak within ``max_overhead``.
 Stages
 ------
 (1) Facts (:class:`RematFacts`). Per forward node: whether it may be recomputed (soundness below), what
-    recomputing it costs (FLOPs from shapes, :func:`node_flops`) and what saving it costs (bytes of the
-    storages its value keeps alive; nothing for inputs, parameters and storages an output keeps anyway).
+    recomputing it costs (FLOPs from shapes, :func:`node_flops`, which price the cuts below; and its
+    predicted seconds by the time model, :mod:`memplan.analysis.cost`, which price a candidate's overhead
+    for the policy) and what saving it costs (bytes of the storages its value keeps alive; nothing for
+    inputs, parameters and storages an output keeps anyway).
     An *in-place unit* (a storage the forward creates and writes in place before anyone else reads it,
     such as ``nn.LSTMCell``'s gate buffer: ``addmm``, ``add_``, ``sigmoid_`` on slices) is one node.
 (2) Stack reads (:func:`plan_stack_reads`). A tensor that the forward copies into a ``stack``/``cat``
@@ -41,7 +43,8 @@ Stages
 (5) Candidates (:func:`plan_remat`). Each distinct recompute set is placed (:func:`plan_copies`) and
     simulated without building it (:class:`VirtualSimulation`, the model ``PeakSimulation`` and the
     ruler use, plus :func:`step_margin`, the step's own loss scalars): ``Candidate(plan, peak,
-    overhead)`` with overhead = recomputed FLOPs / FLOPs of the whole graph. The untouched graph is a
+    overhead)`` with overhead = the copies' predicted seconds / the whole graph's (in-place units whole,
+    :func:`copy_costs`). The untouched graph is a
     candidate. The set does not depend on the budget, so the chosen peak never rises when the budget
     falls (AOTAutograd's does: pytorch/pytorch#197838). Without a budget, candidates the policy can
     never take are not simulated: those over ``max_overhead``, and those whose floor (the saved values
@@ -91,8 +94,9 @@ Left to other passes
 Checkpointing across the steps of an unrolled loop on an optimal schedule (``timesteps``: a cut copies
 each value at most once, so it cannot nest recomputation), reusing storages of dead tensors (``inplace``,
 ``arena``), reordering (``schedule``: run it before this pass, since a reorder could move copies back to
-the top of the backward), splitting big intermediates (``chunk``). The policy is applied per pass: in a
-pipeline the overheads of several recomputing passes add up.
+the top of the backward), splitting big intermediates (``chunk``). In a pipeline the passes share one
+allowance: the pipeline hands this pass what is left of ``max_overhead`` (see
+:class:`~memplan.pipeline.PassManager`).
 """
 
 from __future__ import annotations

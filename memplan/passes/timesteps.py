@@ -37,8 +37,9 @@ Stages
     need, just before the first of them, so an advance of ``y`` steps copies only those steps.
 (5) Candidates. Segment lengths (powers of two and about ``sqrt(T * activations / state)``) times
     slot counts are costed with the model (memory ``(k + m) * state + leaf activations``, compute in
-    step recomputations); the Pareto front is simulated exactly (``remat.VirtualSimulation``), overhead
-    is recomputed FLOPs over the FLOPs of the whole graph, and ``ctx.policy.choose`` picks one (a budget:
+    step recomputations); the Pareto front is simulated exactly (``remat.VirtualSimulation``) beside the
+    segments recomputed whole at lengths near ``sqrt(steps)``, overhead is the copies' predicted seconds
+    over the whole graph's (the time model, :mod:`memplan.analysis.cost`), and ``ctx.policy.choose`` picks one (a budget:
     least overhead that fits, or :class:`~memplan.errors.InfeasibleBudgetError` naming the smallest
     peak; none: lowest peak within ``max_overhead``). A schedule is planned only as far as the policy
     could take it: its copies are counted until they cost more than ``max_overhead`` (no budget) or than
