@@ -65,7 +65,7 @@ from torch.utils._pytree import tree_leaves
 
 from memplan.errors import UnsupportedInputError
 
-__all__ = ["MemoryEvent", "Measurement", "measure", "format_bytes"]
+__all__ = ["MemoryEvent", "Measurement", "measure", "measured_snapshot", "format_bytes"]
 
 _UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -486,6 +486,39 @@ def measure(
     if dev.type == "cuda":
         return _measure_cuda(fn, args, kwargs, dev, existing)
     return _measure_cpu(fn, args, kwargs, dev, existing)
+
+
+def measured_snapshot(fn: Callable[..., Any], *args: Any, device: str | torch.device | None = None,
+                      max_entries: int = 200_000, **kwargs: Any) -> dict:
+    """Call ``fn(*args, **kwargs)`` once on a GPU with the CUDA caching allocator recording its history,
+    and return what ``torch.cuda.memory._snapshot()`` returns: the measured counterpart of the predicted
+    snapshots (:meth:`memplan.analyze.MemoryAnalysis.to_snapshot`, :meth:`memplan.api.Plan.to_snapshot`),
+    for PyTorch's memory visualizer (pickle it and open it at https://pytorch.org/memory_viz). Recording
+    is switched off again afterwards, also when ``fn`` raises.
+
+    Raises
+    ------
+    UnsupportedInputError
+        On any device but CUDA: only the CUDA allocator records a history. On CPU, export the predicted
+        timeline instead, which :func:`measure` agrees with.
+    """
+    existing = _existing_tensors(fn, args, kwargs)
+    dev = _resolve_device(device, existing)
+    existing.clear()
+    if dev.type != "cuda":
+        raise UnsupportedInputError(
+            f"a measured memory snapshot needs the CUDA caching allocator, and this call runs on {dev}. "
+            "Fix: on CPU, export the predicted timeline, which memplan.measure agrees with: "
+            "memplan.analyze(model, *inputs).save_snapshot(path), or opt.plan.save_snapshot(path)."
+        )
+    torch.cuda.synchronize(dev)
+    torch.cuda.memory._record_memory_history(enabled="all", max_entries=max_entries, device=dev)
+    try:
+        fn(*args, **kwargs)
+        torch.cuda.synchronize(dev)
+        return torch.cuda.memory._snapshot(dev)
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None, device=dev)
 
 
 def _measure_cpu(

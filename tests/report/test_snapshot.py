@@ -213,3 +213,26 @@ def test_each_allocation_says_what_it_is():
     said = {re.search(r"\((.*), (forward|backward)\)$", e["frames"][0]["name"]).group(1)
             for e in a.to_snapshot()["device_traces"][0] if e["action"] == "alloc"}
     assert said == {"saved activation", "temporary", "parameter gradient", "output"}
+
+
+def test_a_measured_snapshot_needs_cuda_and_says_what_to_export_instead():
+    from memplan.errors import UnsupportedInputError
+    from memplan.measure import measured_snapshot
+
+    with pytest.raises(UnsupportedInputError, match="save_snapshot"):
+        measured_snapshot(lambda x: x * 2, torch.ones(8))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_measured_snapshot_of_a_plan_renders_beside_the_predicted_one():
+    from memplan.measure import measured_snapshot
+
+    model = Stack(d=32, depth=3).cuda()
+    opt = memplan.optimize(model)
+    step = step_fn(opt, (torch.randn(64, 32, device="cuda"),), train=True)
+    step()
+    measured = measured_snapshot(step)
+    allocs = [e for trace in measured["device_traces"] for e in trace if e["action"] == "alloc"]
+    assert allocs and measured["segments"]
+    _memory_viz.segsum(measured)  # torch's own reader takes it
