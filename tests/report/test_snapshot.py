@@ -19,6 +19,7 @@ from memplan.report.snapshot import ALIGN, replay_peak, snapshot_paths, to_snaps
 from memplan.steps import step_fn
 
 
+# Defined here, not imported from test_html: the frames of a snapshot must name this file as the user's.
 class Mlp(nn.Module):
     def __init__(self, d):
         super().__init__()
