@@ -8,7 +8,8 @@ import pathlib
 
 import memplan
 import memplan.examples as examples
-from memplan.report.html import CATEGORIES, COLOURS, _timeline_svg
+from memplan.report.data import CATEGORIES
+from memplan.report.html import COLOURS, _timeline_svg
 from memplan.steps import step_fn
 
 OUT = pathlib.Path(__file__).parent / "img"
