@@ -1,8 +1,8 @@
 """``benchmarks/real_models.py`` at ``--size small``: every variant in the table, the three checks computed.
 
 Their outcomes are the benchmark's business, not this test's; it checks that the script runs end to end, that
-the model gets a row per variant (torch.compile's from its own process, through the ``aot_eager`` backend,
-which applies the same activation memory budget without compiling C++) and that each check has a verdict.
+the model gets a row per variant and that each check has a verdict. torch.compile's row (a process of its own
+that imports the libraries again and compiles: half a minute) is left to the benchmark's runs, to keep CI short.
 """
 
 import importlib.util
@@ -29,10 +29,9 @@ def test_the_small_run_has_every_variant_and_each_check(tmp_path, capsys):
     real_models = _benchmark("real_models")
     out = tmp_path / "real_models.json"
     result = real_models.main(["--size", "small", "--models", "gpt2", "--repeats", "1", "--budgets", "0.5",
-                               "--compile-backend", "aot_eager", "--json", str(out)])
+                               "--no-compile", "--json", str(out)])
     assert json.loads(out.read_text())["rows"] == result["rows"]
-    variants = ["eager", "checkpoint per block", "memplan default", "memplan budget=0.5", "memplan smallest",
-                "compile budget=0.5 (RSS)"]
+    variants = ["eager", "checkpoint per block", "memplan default", "memplan budget=0.5", "memplan smallest"]
     printed = capsys.readouterr().out
     for model in ("gpt2",):
         rows = [r for r in result["rows"] if r["model"] == model]
