@@ -137,8 +137,7 @@ def test_rates_follow_the_environment_and_refuse_what_they_cannot_read(monkeypat
     assert rates_for("calibrated", "meta") is REFERENCE_RATES  # a device this machine cannot time
 
 
-@pytest.mark.parametrize("name", ["chain_product", "latent_gru", "seq2seq"])
-@pytest.mark.parametrize("max_overhead", [0.0, 0.3])
+@pytest.mark.parametrize("name, max_overhead", [("chain_product", 0.0), ("latent_gru", 0.0), ("seq2seq", 0.3)])
 def test_the_whole_plan_is_held_to_max_overhead(name, max_overhead):
     """The passes share one allowance: the plan's predicted step time over eager's stays within it,
     whatever each pass took, up to what a pass's estimate leaves out (the views its copies read
