@@ -26,6 +26,11 @@ from memplan.opschema import is_pure_view, is_random, is_view_op, mutated_args
 
 __all__ = [
     "ALIAS_OPS",
+    "value_of",
+    "shape_of",
+    "is_tensor",
+    "nbytes",
+    "graph_device",
     "packet_name",
     "is_random",
     "mutated_args",
@@ -44,6 +49,42 @@ __all__ = [
 ALIAS_OPS = frozenset({"view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "unsqueeze",
                        "squeeze", "select", "slice", "narrow", "alias", "detach", "as_strided", "diagonal", "unbind",
                        "split", "split_with_sizes", "chunk", "unfold", "view_as", "_reshape_alias", "lift_fresh"})
+
+
+def value_of(node: Any) -> Any:
+    """The fake value of ``node`` (None for what is not a node)."""
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def shape_of(node: Any) -> tuple[int, ...]:
+    """The shape of ``node``'s fake tensor (``()`` when it holds none)."""
+    value = value_of(node)
+    if isinstance(value, torch.Tensor):
+        return tuple(map(int, value.shape))
+    return ()
+
+
+def is_tensor(node: Any) -> bool:
+    """``node`` is a graph node whose fake value is one tensor."""
+    return isinstance(node, torch.fx.Node) and isinstance(value_of(node), torch.Tensor)
+
+
+def nbytes(node: torch.fx.Node) -> int:
+    """Bytes of the tensors in ``node``'s fake value."""
+    total = 0
+    for value in pytree.tree_leaves(node.meta.get("val")):
+        if isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size()
+    return total
+
+
+def graph_device(graph: CapturedGraph) -> torch.device:
+    """The device of the graph's tensors: its first tensor value's (CPU for a graph without any)."""
+    for node in graph.gm.graph.nodes:
+        for value in pytree.tree_leaves(node.meta.get("val")):
+            if isinstance(value, torch.Tensor):
+                return value.device
+    return torch.device("cpu")
 
 
 def packet_name(node: torch.fx.Node) -> str:

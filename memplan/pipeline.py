@@ -50,7 +50,7 @@ from memplan.analysis.peak import PeakSimulation, step_margin
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph, InputSpec, OutputSpec, Phase, SourceLine, is_user_frame
 from memplan.errors import InfeasibleBudgetError, PassError, PassRolledBackWarning
-from memplan.graphutil import copy_graph, create_node, is_pure_view, mutated_args
+from memplan.graphutil import copy_graph, create_node, graph_device, is_pure_view, mutated_args
 from memplan.measure import format_bytes
 from memplan.policy import Policy
 
@@ -663,7 +663,7 @@ class PassManager:
         # Rolling back, a failed last check runs the passes again with the check after each, which
         # names the pass to roll back: the cost falls on the run that found a broken pass.
         stepwise = self.reproducer_dir is not None
-        rates = rates_for(self.rates, _device_of(graph))
+        rates = rates_for(self.rates, graph_device(graph))
         timing = (rates, eager_seconds(pristine if pristine is not None else graph, rates))
         source = None
         if rollback or stepwise:
@@ -838,17 +838,6 @@ def _pass_policy(policy: Policy, left: float, now: float) -> Policy:
     if now <= 0:
         return policy
     return dataclasses.replace(policy, max_overhead=max(0.0, left) / now)
-
-
-def _device_of(graph: CapturedGraph) -> torch.device:
-    """The device of the graph's first tensor input (the device its plan runs on)."""
-    for node in graph.gm.graph.nodes:
-        if node.op != "placeholder":
-            break
-        value = node.meta.get("val")
-        if isinstance(value, torch.Tensor):
-            return value.device
-    return torch.device("cpu")
 
 
 class _PassFailed(Exception):

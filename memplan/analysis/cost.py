@@ -34,10 +34,9 @@ from typing import Any
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 
 from memplan.capture import CapturedGraph, Phase
-from memplan.graphutil import ALIAS_OPS, packet_name
+from memplan.graphutil import ALIAS_OPS, is_tensor, nbytes, packet_name, shape_of
 
 __all__ = [
     "CostRates",
@@ -113,20 +112,6 @@ class CostRates:
 
 
 REFERENCE_RATES = CostRates()
-
-
-def _shape(node: Any) -> tuple[int, ...]:
-    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return tuple(map(int, value.shape)) if isinstance(value, torch.Tensor) else ()
-
-
-def _is_tensor(node: Any) -> bool:
-    return isinstance(node, torch.fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
-
-
-def _nbytes(node: torch.fx.Node) -> int:
-    return sum(v.numel() * v.element_size() for v in pytree.tree_leaves(node.meta.get("val"))
-               if isinstance(v, torch.Tensor))
 
 
 _NO_TRAFFIC = ALIAS_OPS | {"getitem", "_unsafe_view", "empty", "new_empty", "new_empty_strided", "empty_strided"}
@@ -249,15 +234,15 @@ def op_work(node: torch.fx.Node, scales: Callable[[torch.fx.Node], bool] = lambd
         indexed = _numel(moved) if isinstance(moved, torch.fx.Node) else 0
     elif name == "grouped_addmm_":  # one row of the dense operand moved per entry
         values, dense = node.args[2], node.args[3]
-        indexed = _numel(values) * (_shape(dense)[-1] if _shape(dense) else 1)
+        indexed = _numel(values) * (shape_of(dense)[-1] if shape_of(dense) else 1)
     fixed = scaled = 0
     elements, elements_scale = 0, False
-    operands = [a for a in node.all_input_nodes if _is_tensor(a)]
+    operands = [a for a in node.all_input_nodes if is_tensor(a)]
     for value in [node, *operands]:
         if scales(value):
-            scaled += _nbytes(value)
+            scaled += nbytes(value)
         else:
-            fixed += _nbytes(value)
+            fixed += nbytes(value)
         count = _numel(value)
         if count > elements or count == elements and scales(value):
             elements, elements_scale = count, scales(value)

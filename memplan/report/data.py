@@ -19,7 +19,7 @@ from memplan.analysis.explain import Explanation, explain_peak
 from memplan.analysis.peak import PeakSimulation
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph, Phase
-from memplan.graphutil import packet_name
+from memplan.graphutil import graph_device, packet_name
 
 __all__ = ["CATEGORIES", "Timeline", "GraphGroup", "GraphView", "PassRow", "MemoryReport", "build_report", "graph_device"]
 
@@ -269,9 +269,3 @@ def build_report(
     )
 
 
-def graph_device(graph: CapturedGraph, am: AnalysisManager | None = None) -> torch.device:
-    """The device of the graph's tensors (its first tensor's; CPU for a graph without any)."""
-    for infos in (am or AnalysisManager(graph)).get(Tensors).tensors.values():
-        for info in infos:
-            return info.device
-    return torch.device("cpu")

@@ -54,7 +54,7 @@ from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph, SourceLine
-from memplan.report.data import graph_device
+from memplan.graphutil import graph_device
 
 __all__ = ["ALIGN", "to_snapshot", "save_snapshot", "snapshot_paths", "replay_peak"]
 
@@ -88,7 +88,7 @@ def to_snapshot(graph: CapturedGraph, am: AnalysisManager | None = None, *, labe
     """
     am = am or AnalysisManager(graph)
     tensors, liveness, sim = am.get(Tensors), am.get(Liveness), am.get(PeakSimulation)
-    device = graph_device(graph, am)
+    device = graph_device(graph)
     index = (device.index or 0) if device.type == "cuda" else 0
     counted = [sid for sid, s in tensors.storages.items() if not s.external and s.nbytes > 0]
     origins = storage_origins(graph, am, tuple(counted))

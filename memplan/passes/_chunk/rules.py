@@ -18,9 +18,8 @@ from typing import Any, Union
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 
-from memplan.graphutil import is_random, packet_name
+from memplan.graphutil import is_random, is_tensor, nbytes, packet_name, shape_of, value_of
 
 __all__ = [
     "Split",
@@ -198,21 +197,6 @@ _FACTORIES = {"zeros", "ones", "empty", "full", "empty_strided", "scalar_tensor"
 ZERO_PRODUCERS = {"zeros", "new_zeros", "zeros_like"}
 _REDUCTION_KINDS = {"sum": "sum", "mean": "mean", "amax": "max", "amin": "min", "logsumexp": "lse", "max": "max", "min": "min"}
 _EXTRA_POINTWISE = {"copy_", "copy", "masked_fill_", "where"}
-
-
-def value_of(node: Any) -> Any:
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-
-
-def shape_of(node: Any) -> tuple[int, ...]:
-    value = value_of(node)
-    if isinstance(value, torch.Tensor):
-        return tuple(map(int, value.shape))
-    return ()
-
-
-def is_tensor(node: Any) -> bool:
-    return isinstance(node, torch.fx.Node) and isinstance(value_of(node), torch.Tensor)
 
 
 def norm_dim(dim: int, rank: int) -> int:
@@ -885,10 +869,3 @@ def _accumulates_into(node: torch.fx.Node, base: Any, state: State) -> bool:
     return packet_name(node).endswith("_") and isinstance(state, Replicated) and len(base.users) == 1
 
 
-def nbytes(node: torch.fx.Node) -> int:
-    """Bytes of the tensors in ``node``'s fake value."""
-    total = 0
-    for value in pytree.tree_leaves(node.meta.get("val")):
-        if isinstance(value, torch.Tensor):
-            total += value.numel() * value.element_size()
-    return total
