@@ -42,13 +42,14 @@ Stages
         through the view chain with the chunk pass's rules);
     (c) forward nodes reached from broadcasts through pointwise ops and reductions, in graph order, each
         with the extents it is evaluated at; connected ones form one region.
-(2) Take the pattern's nodes as a region, find its backward by autograd sequence numbers
-    (:func:`~memplan.passes._chunk.graphs.region_backward`) and match the gradients it reads to the region's
-    outputs and the gradients it produces to the region's inputs (by shape, then sequence number).
-(3) Trace the replacement forward together with its backward by ``make_fx`` over the region inputs'
-    fake values (the graph's own fake mode), through autograd, with sequence numbers recorded.
-(4) Inline the traced forward (phase forward) and backward (phase backward) into the joint graph,
-    point the region's users at the new values, erase the old nodes and re-sort stably.
+(2)-(4) Region rewrites ((a), (b), (c) and those in their own modules under ``passes/_rewrite/``) each
+    name their region, its inputs and outputs and a replacement function
+    (:class:`~memplan.passes._rewrite.region.Replacement`);
+    :func:`~memplan.passes._rewrite.region.replace_region` finds the region's backward, traces the
+    replacement's forward with its backward through autograd, and inlines both into the joint graph.
+    Backward peepholes are replaced in place; oversized results are cloned last, on the graph the others
+    leave. A new pattern is a finder added to ``_FINDERS`` and a class with ``claimed()`` (and
+    ``replacement(graph)`` for a region rewrite).
 
 Preconditions
 -------------
@@ -95,24 +96,22 @@ from typing import Any, Union
 
 import torch
 import torch.fx
-import torch.fx.traceback as fx_traceback
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation
-from memplan.capture import CapturedGraph, Phase, _tag_backward_with_seq_nr
+from memplan.capture import CapturedGraph, Phase
 from memplan.graphutil import mutated_args, packet_name
 from memplan.opschema import is_view_op
 from memplan.ops import grouped_addmm_
-from memplan.passes._chunk.graphs import (
-    copy_graph,
-    fake_call,
-    fake_mode_of,
-    refresh_aliases,
-    region_backward,
-    same_layouts,
-    stable_toposort,
+from memplan.passes._chunk.graphs import copy_graph, fake_call, fake_mode_of
+from memplan.passes._rewrite.region import (
+    Replacement,
+    forward_nodes,
+    forward_users,
+    node_dtype,
+    node_shape,
+    replace_region,
 )
 from memplan.passes._chunk.rules import Split
 from memplan.pipeline import PassContext, PassResult, PassStats, register_pass
@@ -121,25 +120,6 @@ __all__ = ["BroadcastMatmul", "BroadcastProduct", "MatmulMax", "ScatterIntoZeros
 
 _VIEWS = {"view", "_unsafe_view", "reshape"}
 _CHAIN = _VIEWS | {"permute", "transpose", "t", "unsqueeze", "squeeze", "alias", "detach"}
-
-
-def _shape(node: Any) -> tuple[int, ...]:
-    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return tuple(int(s) for s in value.shape) if isinstance(value, torch.Tensor) else ()
-
-
-def _dtype(node: torch.fx.Node) -> torch.dtype | None:
-    value = node.meta.get("val")
-    return value.dtype if isinstance(value, torch.Tensor) else None
-
-
-def _forward_users(graph: CapturedGraph, node: torch.fx.Node) -> int:
-    """How many forward nodes (or graph outputs) read ``node``; backward readers belong to its backward."""
-    return sum(1 for u in node.users if u.op == "output" or graph.phases.get(u.name) is Phase.FORWARD)
-
-
-def _forward_nodes(graph: CapturedGraph) -> list[torch.fx.Node]:
-    return [n for n in graph.gm.graph.nodes if n.op == "call_function" and graph.phases.get(n.name) is Phase.FORWARD]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,6 +140,13 @@ class BroadcastMatmul:
     other: str
     shape: tuple[int, ...]
     broadcast: tuple[int, ...]
+
+    def claimed(self) -> set[str]:
+        return set(self.nodes)
+
+    def replacement(self, graph: CapturedGraph) -> Replacement:
+        fn = _broadcast_matmul_fn(self, node_shape(graph.node(self.other)))
+        return Replacement(self.nodes, (self.other, self.source), (self.bmm,), fn, self.bmm)
 
     def __str__(self) -> str:
         copies = math.prod(self.shape[i] for i in self.broadcast)
@@ -193,6 +180,13 @@ class MatmulMax:
     step: int
     index_dtype: torch.dtype
 
+    def claimed(self) -> set[str]:
+        return {self.matmul, *self.chain, self.reduce}
+
+    def replacement(self, graph: CapturedGraph) -> Replacement:
+        return Replacement((self.matmul, *self.chain, self.reduce, *self.items), (self.left, self.right),
+                           (self.values, self.indices), _matmul_max_fn(self, graph), self.reduce)
+
     def __str__(self) -> str:
         what = "rows" if self.rows else "columns"
         return f"matmul {self.kind} {self.reduce}: keeps {str(self.index_dtype).replace('torch.', '')} indices over {what} of {self.matmul}"
@@ -208,6 +202,9 @@ class ScatterIntoZeros:
     zeros: str
     other: str
 
+    def claimed(self) -> set[str]:
+        return {self.add, self.scatter, self.zeros}
+
     def __str__(self) -> str:
         return f"scatter into zeros {self.scatter}: added into {self.other} directly"
 
@@ -221,6 +218,9 @@ class InterleavedSlices:
     add: str
     even: str
     odd: str
+
+    def claimed(self) -> set[str]:
+        return {self.add, self.even, self.odd}
 
     def __str__(self) -> str:
         return f"interleaved slice gradients {self.even}, {self.odd}: stacked"
@@ -237,6 +237,9 @@ class OversizedResult:
     node: str
     held: int  # bytes of the storage the result keeps alive
     kept: int  # bytes of the clone
+
+    def claimed(self) -> set[str]:
+        return {self.node}
 
     def __str__(self) -> str:
         return f"oversized result {self.node}: cloned out of its {self.held}-byte storage ({self.kept} bytes kept)"
@@ -257,25 +260,25 @@ class RewritePlan:
 
 def _find_broadcast_matmuls(graph: CapturedGraph) -> list[BroadcastMatmul]:
     found = []
-    for node in _forward_nodes(graph):
+    for node in forward_nodes(graph):
         if packet_name(node) != "bmm":
             continue
         for side in (1, 0):
             views, value = [], node.args[side]
-            while packet_name(value) in _VIEWS and _forward_users(graph, value) == 1:
+            while packet_name(value) in _VIEWS and forward_users(graph, value) == 1:
                 views.append(value)
                 value = value.args[0]
             copy = value
-            if packet_name(copy) != "clone" or _forward_users(graph, copy) != 1:
+            if packet_name(copy) != "clone" or forward_users(graph, copy) != 1:
                 continue
             expand = copy.args[0]
-            if packet_name(expand) != "expand" or _forward_users(graph, expand) != 1:
+            if packet_name(expand) != "expand" or forward_users(graph, expand) != 1:
                 continue
-            shape = _shape(expand)
-            if len(shape) < 3 or _shape(node.args[side]) != (math.prod(shape[:-2]), shape[-2], shape[-1]):
+            shape = node_shape(expand)
+            if len(shape) < 3 or node_shape(node.args[side]) != (math.prod(shape[:-2]), shape[-2], shape[-1]):
                 continue
             source = expand.args[0]
-            aligned = _aligned(_shape(source), len(shape))
+            aligned = _aligned(node_shape(source), len(shape))
             if aligned[-2:] != shape[-2:]:
                 continue
             broadcast = tuple(i for i in range(len(shape) - 2) if aligned[i] == 1 and shape[i] > 1)
@@ -315,8 +318,8 @@ def _find_scatter_into_zeros(graph: CapturedGraph) -> list[ScatterIntoZeros]:
             zeros, dim, index, src = s.args[:4]
             if packet_name(zeros) not in ("new_zeros", "zeros", "zeros_like") or not _single_use(zeros):
                 continue
-            rank = len(_shape(s))
-            if _shape(index)[dim % rank] != 1 or _dtype(src) != _dtype(s):
+            rank = len(node_shape(s))
+            if node_shape(index)[dim % rank] != 1 or node_dtype(src) != node_dtype(s):
                 continue  # several indices on a line: scatter keeps one value, scatter_add would sum them
             found.append(ScatterIntoZeros(node.name, s.name, zeros.name, x.name))
             break
@@ -336,7 +339,7 @@ def _find_interleaved_slices(graph: CapturedGraph) -> list[InterleavedSlices]:
             rank = len(shape)
             if step != 2 or start not in (0, 1) or end < shape[dim % rank] or shape[dim % rank] % 2:
                 break
-            if _shape(grad)[dim % rank] != shape[dim % rank] // 2:
+            if node_shape(grad)[dim % rank] != shape[dim % rank] // 2:
                 break
             parts[start] = (s, dim % rank, tuple(shape))
         else:
@@ -386,7 +389,7 @@ def _factor_back(node: torch.fx.Node, dim: int, inner: int, units: int) -> tuple
     """Where a factor (stride ``inner``, ``units`` values) of ``node``'s dimension ``dim`` lives in its
     input: ``(input dim, stride there)``, for the view-like ops of a chain."""
     name = packet_name(node)
-    out_shape, in_shape = _shape(node), _shape(node.args[0])
+    out_shape, in_shape = node_shape(node), node_shape(node.args[0])
     if name in _VIEWS:
         flat = inner * math.prod(out_shape[dim + 1 :])
         for k, size in enumerate(in_shape):
@@ -422,7 +425,7 @@ def _squeezes(node: torch.fx.Node, i: int, rank: int) -> bool:
 def _walk_to(chain_end: torch.fx.Node, product: torch.fx.Node, state: Split) -> Split | None:
     """Follow dimension ``state.dim`` of ``chain_end`` back through its view chain to ``product``:
     the product dimension it is a factor of and the factor's stride there."""
-    units = _shape(chain_end)[state.dim]
+    units = node_shape(chain_end)[state.dim]
     node, dim, inner = chain_end, state.dim, state.inner
     while node is not product:
         back = _factor_back(node, dim, inner, units)
@@ -458,23 +461,23 @@ def _factors_ok(ydims: Sequence[tuple[int, int, int]], extra: tuple[int, int, in
 
 def _find_matmul_max(graph: CapturedGraph) -> list[MatmulMax]:
     found = []
-    for node in _forward_nodes(graph):
+    for node in forward_nodes(graph):
         kind = packet_name(node)
         if kind not in ("max", "min") or node.target._overloadname != "dim":
             continue
         x = node.args[0]
-        rank = len(_shape(x))
+        rank = len(node_shape(x))
         dim = node.args[1] + rank if node.args[1] < 0 else node.args[1]
         keepdim = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
         chain, value = [], x
-        while packet_name(value) in _CHAIN and _forward_users(graph, value) == 1:
+        while packet_name(value) in _CHAIN and forward_users(graph, value) == 1:
             chain.append(value)
             value = value.args[0]
         product = value
-        if packet_name(product) not in ("bmm", "mm") or _forward_users(graph, product) != 1:
+        if packet_name(product) not in ("bmm", "mm") or forward_users(graph, product) != 1:
             continue
         items = [u for u in node.users if u.target is operator.getitem]
-        if len(items) != len(node.users) or not any(u.args[1] == 0 and _forward_users(graph, u) for u in items):
+        if len(items) != len(node.users) or not any(u.args[1] == 0 and forward_users(graph, u) for u in items):
             continue
         batched = packet_name(product) == "bmm"
         reduced = _walk_to(x, product, Split(dim))
@@ -490,7 +493,7 @@ def _find_matmul_max(graph: CapturedGraph) -> list[MatmulMax]:
             return {0: 0, 1: 2, 2: 1}[e] if rows else e
 
         ydims = []
-        for k, size in enumerate(_shape(x)):
+        for k, size in enumerate(node_shape(x)):
             if k == dim:
                 continue
             if size == 1:
@@ -501,9 +504,9 @@ def _find_matmul_max(graph: CapturedGraph) -> list[MatmulMax]:
                 break
             ydims.append((canonical(walked.dim), walked.inner, size))
         else:
-            psize = _shape(product) if batched else (1, *_shape(product))
+            psize = node_shape(product) if batched else (1, *node_shape(product))
             sizes = (psize[0], psize[2], psize[1]) if rows else psize
-            extra = (2, reduced.inner, _shape(x)[dim])
+            extra = (2, reduced.inner, node_shape(x)[dim])
             if not _factors_ok(ydims, extra, sizes):
                 continue
             found.append(
@@ -523,7 +526,7 @@ def _find_matmul_max(graph: CapturedGraph) -> list[MatmulMax]:
                     keepdim=keepdim,
                     ydims=tuple(ydims),
                     step=reduced.inner,
-                    index_dtype=_index_dtype(_shape(x)[dim]),
+                    index_dtype=_index_dtype(node_shape(x)[dim]),
                 )
             )
     return found
@@ -719,6 +722,12 @@ class BroadcastProduct:
     before: int  # elements of the largest value the region makes, as written
     after: int  # the same, evaluated unexpanded
 
+    def claimed(self) -> set[str]:
+        return set(self.nodes)
+
+    def replacement(self, graph: CapturedGraph) -> Replacement:
+        return Replacement(self.nodes, self.inputs, self.outputs, _broadcast_product_fn(self, graph), self.outputs[-1])
+
     def __str__(self) -> str:
         fused = f", {len(self.contractions)} product(s) as einsum" if self.contractions else ""
         return (f"broadcast product {self.outputs[-1]}: {len(self.nodes)} ops evaluated unexpanded{fused} "
@@ -740,7 +749,7 @@ def _reduction(node: torch.fx.Node) -> tuple[tuple[int, ...], bool] | None:
     keepdim = node.args[keep_at] if len(node.args) > keep_at else node.kwargs.get(schema[keep_at].name, False)
     if len(node.args) > keep_at + 1 or not isinstance(dims, (list, tuple)) or not dims:
         return None
-    rank = len(_shape(node.args[0]))
+    rank = len(node_shape(node.args[0]))
     if rank == 0 or any(not isinstance(d, int) or not -rank <= d < rank for d in dims):
         return None
     return tuple(sorted({d % rank for d in dims})), bool(keepdim)
@@ -787,7 +796,7 @@ def _contraction_shape(p: tuple[int, ...], q: tuple[int, ...], full: tuple[int, 
 
 
 def _find_broadcast_products(graph: CapturedGraph) -> list[BroadcastProduct]:
-    forward = _forward_nodes(graph)
+    forward = forward_nodes(graph)
     shapes: dict[torch.fx.Node, tuple[int, ...]] = {}  # extents each region node is evaluated at
     fused: dict[torch.fx.Node, torch.fx.Node] = {}  # sum -> the product it contracts
     writers: dict[torch.fx.Node, list[torch.fx.Node]] = {}
@@ -799,14 +808,14 @@ def _find_broadcast_products(graph: CapturedGraph) -> list[BroadcastProduct]:
         name = packet_name(node)
         if name not in ("expand", "sum") and not any(a in shapes for a in node.all_input_nodes):
             continue  # (the common case, first: most nodes read no broadcast)
-        full = _shape(node)
+        full = node_shape(node)
         if not isinstance(node.meta.get("val"), torch.Tensor) or not full:
             continue
         if name == "expand":
             source = node.args[0]
             if source in written or not isinstance(source.meta.get("val"), torch.Tensor):
                 continue
-            small = _aligned(_shape(source), len(full))
+            small = _aligned(node_shape(source), len(full))
             if small != full and all(s in (1, f) for s, f in zip(small, full)):
                 shapes[node] = small
             continue
@@ -820,22 +829,22 @@ def _find_broadcast_products(graph: CapturedGraph) -> list[BroadcastProduct]:
             pair = _tensor_args(product) if product.target is torch.ops.aten.mul.Tensor and len(product.users) == 1 else None
             if pair is not None and len(pair) == 2 and product not in written and all(
                     a.meta["val"].dtype == product.meta["val"].dtype and a.meta["val"].is_floating_point() for a in pair):
-                rank = len(_shape(product))
-                sides = [shapes.get(a, _aligned(_shape(a), rank)) for a in pair]
-                if len(sides[0]) == len(sides[1]) == rank and math.prod(_shape(product)) > max(math.prod(x) for x in sides):
-                    got = _contraction_shape(*sides, _shape(product), *reduced)
+                rank = len(node_shape(product))
+                sides = [shapes.get(a, _aligned(node_shape(a), rank)) for a in pair]
+                if len(sides[0]) == len(sides[1]) == rank and math.prod(node_shape(product)) > max(math.prod(x) for x in sides):
+                    got = _contraction_shape(*sides, node_shape(product), *reduced)
                     if got is not None:
-                        shapes.setdefault(product, _shape(product))
+                        shapes.setdefault(product, node_shape(product))
                         shapes[node] = got
                         fused[node] = product
                         continue
         if not any(a in shapes for a in args):
             continue
-        extents = [shapes.get(a, _aligned(_shape(a), len(full))) for a in args]
+        extents = [shapes.get(a, _aligned(node_shape(a), len(full))) for a in args]
         if reduced is not None and len(args) == 1:
             dims, keepdim = reduced
             (inner,) = extents
-            if any(inner[d] != _shape(args[0])[d] for d in dims):
+            if any(inner[d] != node_shape(args[0])[d] for d in dims):
                 continue  # a broadcast dimension reduced: not the same op on the unexpanded value
             shapes[node] = tuple(1 if d in dims else s for d, s in enumerate(inner) if keepdim or d not in dims)
             continue
@@ -877,7 +886,7 @@ def _broadcast_product(graph, nodes, shapes, fused, writers) -> BroadcastProduct
         if node not in writers:
             continue
         own_copy = packet_name(node) == "clone" and all(w in region for w in writers[node])
-        handed_on = shapes[node] == _shape(node) and not any(w in region or u in region for w in writers[node] for u in node.users)
+        handed_on = shapes[node] == node_shape(node) and not any(w in region or u in region for w in writers[node] for u in node.users)
         if not (own_copy or handed_on):
             return None
     skipped = {p for s, p in fused.items() if s in region}
@@ -895,17 +904,17 @@ def _broadcast_product(graph, nodes, shapes, fused, writers) -> BroadcastProduct
         if readers:
             if node in skipped:
                 return None
-            if shapes[node] != _shape(node):
+            if shapes[node] != node_shape(node):
                 value = node.meta["val"]
-                if packet_name(node) == "expand" or tuple(value.stride()) != tuple(torch.empty(_shape(node), device="meta").stride()):
+                if packet_name(node) == "expand" or tuple(value.stride()) != tuple(torch.empty(node_shape(node), device="meta").stride()):
                     return None  # expanded back, the value would be laid out otherwise
             outputs.append(node)
     if not outputs:
         return None
     computed = [n for n in nodes if n not in skipped and packet_name(n) != "expand"]
-    before = max((math.prod(_shape(n)) for n in nodes if packet_name(n) != "expand"), default=0)
+    before = max((math.prod(node_shape(n)) for n in nodes if packet_name(n) != "expand"), default=0)
     after = max([math.prod(shapes[n]) for n in computed]
-                + [math.prod(_shape(n)) for n in outputs if shapes[n] != _shape(n) and packet_name(n) != "expand"], default=0)
+                + [math.prod(node_shape(n)) for n in outputs if shapes[n] != node_shape(n) and packet_name(n) != "expand"], default=0)
     if before < 2 * max(after, 1):
         return None
     return BroadcastProduct(
@@ -932,7 +941,7 @@ def _broadcast_product_fn(pattern: BroadcastProduct, graph: CapturedGraph) -> Ca
     extents = dict(zip(pattern.nodes, pattern.shapes))
     product_of = {n: graph.node(n).args[0] for n in pattern.contractions}  # sum -> the product it contracts
     skipped = {p.name for p in product_of.values()}
-    full = {n.name: _shape(n) for n in nodes}  # the products are region nodes too
+    full = {n.name: node_shape(n) for n in nodes}  # the products are region nodes too
     steps = [(n.name, packet_name(n), n.target, n.args, n.kwargs, _reduction(n) if n.name in product_of else None)
              for n in nodes if n.name not in skipped]
 
@@ -965,246 +974,7 @@ def _broadcast_product_fn(pattern: BroadcastProduct, graph: CapturedGraph) -> Ca
 
 
 # ----------------------------------------------------------------------------------------------
-# region replacement (stages 2-4)
-
-
-def _match_gradients(graph, region, inputs, outputs, backward):
-    """Map the backward's incoming gradients to region outputs, its results to region inputs."""
-    seq = graph.seq_nr
-    members = set(backward.nodes)
-    region_set = set(region)
-    incoming: dict[int, list[torch.fx.Node]] = {}
-    for name in backward.grad_inputs:
-        g = graph.node(name)
-        options = [i for i, o in enumerate(outputs) if o is not None and _shape(o) == _shape(g) and _dtype(o) == _dtype(g)]
-        if len(options) > 1:
-            readers = {seq.get(u.name) for u in g.users if u.name in members}
-            options = [i for i in options if seq.get(outputs[i].name) in readers]
-        if len(options) != 1:
-            return None
-        incoming.setdefault(options[0], []).append(g)
-    produced: dict[int, torch.fx.Node] = {}
-    for name in backward.grad_outputs:
-        d = graph.node(name)
-        options = [i for i, x in enumerate(inputs) if _shape(x) == _shape(d) and _dtype(x) == _dtype(d)]
-        if len(options) > 1:
-            seqs = {seq.get(d.name)} | {seq.get(a.name) for a in d.all_input_nodes if a.name in members}
-            options = [i for i in options if any(seq.get(u.name) in seqs for u in inputs[i].users if u.name in region_set)]
-        if len(options) != 1 or options[0] in produced:
-            return None
-        produced[options[0]] = d
-    return incoming, produced
-
-
-def _trace(fn, input_values, needs_grad, grad_values):
-    """``make_fx`` of ``fn``'s forward and, through autograd, its backward; returns the graph and the
-    name of its last forward node."""
-    box: dict[str, Any] = {}
-    n_in = len(input_values)
-
-    def joint(*flat):
-        leaves = [x.detach().requires_grad_(True) if need else x for x, need in zip(flat[:n_in], needs_grad)]
-        outs = fn(*leaves)
-        box["boundary"] = list(get_proxy_mode().tracer.graph.nodes)[-1].name
-        pairs = [(o, g) for o, g in zip(outs, grad_values) if g is not None]
-        wrt = [leaf for leaf, need in zip(leaves, needs_grad) if need]
-        grads: tuple = ()
-        if pairs and wrt:
-            _tag_backward_with_seq_nr([o.grad_fn for o, _ in pairs if o.grad_fn is not None])
-            given = iter(flat[n_in:])
-            grads = torch.autograd.grad([o for o, _ in pairs], wrt, [next(given) for _ in pairs], allow_unused=True)
-        return (*outs, *grads)
-
-    grads = [g for g in grad_values if g is not None]
-    with torch.enable_grad(), fx_traceback.preserve_node_meta():
-        gm = make_fx(joint, tracing_mode="fake")(*input_values, *grads)
-    gm.graph.eliminate_dead_code()
-    return gm, box["boundary"]
-
-
-def _replace_region(graph: CapturedGraph, region_names: Sequence[str], input_names: Sequence[str],
-                    output_names: Sequence[str], fn, anchor_name: str, state: dict) -> bool:
-    """Replace ``region`` (forward) and its backward with ``fn`` traced through autograd (in place on
-    ``graph.gm``; ``state`` holds the phases, sources and sequence numbers being edited).
-
-    ``fn(*inputs)`` returns one value per name in ``output_names``; every region node read outside
-    the region and its backward must be one of them."""
-    gm = graph.gm
-    by_name = {n.name: n for n in gm.graph.nodes}
-    names = set(region_names)
-    for node in gm.graph.nodes:  # autograd's detach of a region value (made to save it) goes with it
-        if node.target is torch.ops.aten.detach.default and node.args[0].name in names:
-            if graph.phases.get(node.name) is Phase.FORWARD:
-                names.add(node.name)
-    region_names = [n.name for n in gm.graph.nodes if n.name in names]
-    region = [by_name[n] for n in region_names]
-    region_set = set(region)
-    inputs = [by_name[n] for n in input_names]
-    # Step 2: the region's backward, and which gradients it reads and produces.
-    backward = region_backward(graph, region_names)
-    if backward is None:
-        return False
-    members = {by_name[n] for n in backward.nodes}
-    outputs = [by_name[n] if n is not None else None for n in output_names]
-    if any(n not in outputs and any(u not in region_set and u not in members for u in n.users) for n in region):
-        return False
-    matched = _match_gradients(graph, region_names, inputs, outputs, backward)
-    if matched is None:
-        return False
-    incoming, produced = matched
-    needs_grad = [i in produced for i in range(len(inputs))]
-    grad_values = [incoming[i][0].meta["val"] if i in incoming else None for i in range(len(outputs))]
-    # Step 3: the replacement's forward and backward, traced together over the inputs' fake values.
-    mode = fake_mode_of(gm.graph)
-    traced, boundary = _trace(fn, [x.meta["val"] for x in inputs], needs_grad, grad_values)
-    if any(getattr(v, "fake_mode", mode) is not mode for n in traced.graph.nodes for v in [n.meta.get("val")]):
-        return False
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    priority = dict((n, float(i)) for n, i in order.items())
-    first_fwd = min(order[n] for n in region)
-    first_bwd = min((order[n] for n in members), default=len(order))
-    anchor = by_name[anchor_name]
-    base_seq = max([s for s in graph.seq_nr.values() if s < 2**62] + [0]) + 1
-    traced_seqs = sorted({n.meta["seq_nr"] for n in traced.graph.nodes if isinstance(n.meta.get("seq_nr"), int)})
-    remap = {s: base_seq + i for i, s in enumerate(traced_seqs)}
-
-    # Step 4: inline it, forward nodes in the forward phase and backward nodes in the backward phase.
-    output_node = next(n for n in gm.graph.nodes if n.op == "output")
-    env: dict[torch.fx.Node, Any] = {}
-    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
-    for p, x in zip(placeholders, inputs):
-        env[p] = x
-    gradient_placeholders = iter(placeholders[len(inputs):])
-    created: list[torch.fx.Node] = []
-
-    def add(target, args, kwargs, phase: Phase, seq: int | None, value, prio: float) -> torch.fx.Node:
-        with gm.graph.inserting_before(output_node):
-            node = gm.graph.call_function(target, args, kwargs)
-        node.meta["val"] = value
-        state["phases"][node.name] = phase
-        state["seq_nr"][node.name] = seq if seq is not None else graph.seq_nr.get(anchor_name, base_seq)
-        if anchor_name in graph.sources:
-            state["sources"][node.name] = graph.sources[anchor_name]
-        priority[node] = prio
-        created.append(node)
-        return node
-
-    for i, g in enumerate(grad_values):
-        if g is None:
-            continue
-        total = incoming[i][0]
-        for extra in incoming[i][1:]:
-            total = add(torch.ops.aten.add.Tensor, (total, extra), {}, Phase.BACKWARD, None, total.meta["val"], first_bwd - 0.6)
-        env[next(gradient_placeholders)] = total
-    phase = Phase.FORWARD
-    for k, node in enumerate(n for n in traced.graph.nodes if n.op == "call_function"):
-        if node.target is torch.ops.aten.detach.default and node.args[0] in env and node.args[0].op == "placeholder":
-            env[node] = env[node.args[0]]  # a leaf made for tracing, not part of the computation
-        else:
-            args = torch.fx.node.map_arg(node.args, env.__getitem__)
-            kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
-            seq = remap.get(node.meta.get("seq_nr"))
-            prio = (first_fwd if phase is Phase.FORWARD else first_bwd) - 0.5 + k * 1e-6
-            env[node] = add(node.target, args, kwargs, phase, seq, node.meta["val"], prio)
-        if node.name == boundary:
-            phase = Phase.BACKWARD
-    results = [env[v] if isinstance(v, torch.fx.Node) else v for v in next(n for n in traced.graph.nodes if n.op == "output").args[0]]
-    new_outputs, new_grads = results[: len(outputs)], results[len(outputs) :]
-    if any(g is None for g in new_grads):
-        for node in reversed(created):
-            gm.graph.erase_node(node)
-        return False
-    def laid_out_as(old: torch.fx.Node, new: Any, phase: Phase, outside: Callable[[torch.fx.Node], bool]) -> Any:
-        """``new``, copied to ``old``'s contiguous layout when a reader of ``old`` (outside the region)
-        cannot run on ``new``'s: what reads ``old`` was traced on its layout, and a view there may be
-        impossible on another (the gradient of ``k`` in ``(x[:, :, None] * k[:, None]).sum(-1)`` comes
-        out of the batched matmul transposed, and ``nn.Linear``'s backward views it as a matrix). Most
-        readers take any layout, and get no copy (maxsim's gradients)."""
-        was, value = old.meta.get("val"), getattr(new, "meta", {}).get("val")
-        if not (isinstance(new, torch.fx.Node) and isinstance(was, torch.Tensor) and isinstance(value, torch.Tensor)):
-            return new
-        if same_layouts(was, value) or not was.is_contiguous() \
-                or all(_runs_on(u, old, value, mode) for u in old.users if outside(u)):
-            return new
-        with mode:
-            dense = value.clone(memory_format=torch.contiguous_format)
-        return add(torch.ops.aten.clone.default, (new,), {"memory_format": torch.contiguous_format}, phase,
-                   state["seq_nr"].get(new.name), dense, priority[new] + 1e-7)
-
-    for old, new in zip(outputs, new_outputs):
-        if old is None:
-            continue
-        outside = lambda u: u not in region_set and u not in members  # noqa: E731
-        old.replace_all_uses_with(laid_out_as(old, new, Phase.FORWARD, outside), delete_user_cb=outside)
-    grads_for = iter(new_grads)
-    for i in range(len(inputs)):
-        if i in produced:
-            outside = lambda u: u not in members  # noqa: E731
-            new = laid_out_as(produced[i], next(grads_for), Phase.BACKWARD, outside)
-            produced[i].replace_all_uses_with(new, delete_user_cb=outside)
-    for node in [n for n in gm.graph.nodes if n in members][::-1]:
-        gm.graph.erase_node(node)
-    for node in region[::-1]:
-        if not node.users:
-            gm.graph.erase_node(node)
-    stable_toposort(gm.graph, priority)
-    # Views of the region's inputs must alias the inputs' storages (the traced backward unpacks saved
-    # tensors into new fake tensors); views of the new values must alias those.
-    refresh_aliases(gm.graph, [*inputs, *created, *(g for gs in incoming.values() for g in gs)], mode)
-    return True
-
-
-def _runs_on(reader: torch.fx.Node, old: torch.fx.Node, value: torch.Tensor, mode, depth: int = 8) -> bool:
-    """Whether ``reader`` runs with ``value`` in place of ``old``'s, and so do the views of its result,
-    down the chain (only a view can fail on a layout: ``squeeze`` of a gradient, then ``view`` of that).
-
-    The graph's output takes the old layout only: a gradient leaves the plan for its leaf's ``.grad``,
-    and autograd copies one laid out unlike the leaf into the leaf's layout, a copy the plan does not
-    see (capture plans that copy where the trace's gradient needs it, on the old layout). Counterexample:
-    ``(x @ w).min(0)`` gave ``w``'s gradient transposed, and autograd's copy of it was 5% above the
-    predicted peak. A pointwise op lays its result out after its inputs, so a changed layout also
-    flows through the ops that are not views, to the output: ``a.squeeze(0) + b.squeeze(1)``, two
-    contributions to one gradient, gave it the transposed layout of the product they came from."""
-    if reader.op == "output":
-        return same_layouts(old.meta.get("val"), value)
-    if reader.op != "call_function" or mutated_args(reader):
-        return True  # an in-place op's result is its input, laid out as it is
-    view = is_view_op(reader.target)
-
-    def to_val(a: Any) -> Any:
-        return value if a is old else a.meta["val"] if isinstance(a, torch.fx.Node) else a
-
-    try:
-        with mode:
-            result = reader.target(*torch.fx.node.map_aggregate(reader.args, to_val),
-                                   **torch.fx.node.map_aggregate(reader.kwargs, to_val))
-    except (RuntimeError, ValueError):
-        return False
-    if not view and same_layouts(reader.meta.get("val"), result):
-        return True  # the op lays its result out as traced: its readers see nothing new
-    if not isinstance(result, torch.Tensor):
-        return view  # a view's items (split) were run; another op's changed items are not followed
-    if depth == 0:
-        return False  # not followed to its end: copied, to be safe
-    return all(_runs_on(user, reader, result, mode, depth - 1) for user in reader.users)
-
-
-# ----------------------------------------------------------------------------------------------
 # plan and apply
-
-
-def _pattern_nodes(pattern: Rewrite) -> set[str]:
-    if isinstance(pattern, BroadcastMatmul):
-        return set(pattern.nodes)
-    if isinstance(pattern, MatmulMax):
-        return {pattern.matmul, *pattern.chain, pattern.reduce}
-    if isinstance(pattern, ScatterIntoZeros):
-        return {pattern.add, pattern.scatter, pattern.zeros}
-    if isinstance(pattern, BroadcastProduct):
-        return set(pattern.nodes)
-    if isinstance(pattern, OversizedResult):
-        return {pattern.node}
-    return {pattern.add, pattern.even, pattern.odd}
 
 
 def _clone_oversized(graph: CapturedGraph, patterns: Sequence[OversizedResult], state: dict) -> list[OversizedResult]:
@@ -1279,6 +1049,18 @@ def _replace_local(graph: CapturedGraph, pattern: Rewrite, state: dict) -> bool:
     return True
 
 
+# Stage 1's finders, in the order their patterns claim nodes (a node goes to the first pattern that
+# claims it). Region rewrites first (they remove the most), backward peepholes, then oversized results.
+_FINDERS: tuple[Callable[[CapturedGraph], Sequence[Rewrite]], ...] = (
+    _find_broadcast_matmuls,
+    _find_matmul_max,
+    _find_broadcast_products,
+    _find_scatter_into_zeros,
+    _find_interleaved_slices,
+    _find_oversized_results,
+)
+
+
 def plan_rewrite(graph: CapturedGraph) -> RewritePlan:
     """Stage 1: the patterns found in ``graph`` (pure).
 
@@ -1294,10 +1076,8 @@ def plan_rewrite(graph: CapturedGraph) -> RewritePlan:
     # Step 1: the patterns, each node in at most one.
     found: list[Rewrite] = []
     taken: set[str] = set()
-    patterns = [*_find_broadcast_matmuls(graph), *_find_matmul_max(graph), *_find_broadcast_products(graph)]
-    patterns += [*_find_scatter_into_zeros(graph), *_find_interleaved_slices(graph), *_find_oversized_results(graph)]
-    for pattern in patterns:
-        nodes = _pattern_nodes(pattern)
+    for pattern in (p for find in _FINDERS for p in find(graph)):
+        nodes = pattern.claimed()
         if nodes & taken:
             continue
         taken |= nodes
@@ -1321,22 +1101,8 @@ def apply_rewrite(graph: CapturedGraph, plan: RewritePlan) -> tuple[CapturedGrap
             if _replace_local(current, pattern, state):
                 done.append(pattern)
             continue
-        if isinstance(pattern, BroadcastMatmul):
-            region = list(pattern.nodes)
-            inputs, outputs = [pattern.other, pattern.source], [pattern.bmm]
-            fn = _broadcast_matmul_fn(pattern, _shape(graph.node(pattern.other)))
-            anchor = pattern.bmm
-        elif isinstance(pattern, BroadcastProduct):
-            region, inputs, outputs = list(pattern.nodes), list(pattern.inputs), list(pattern.outputs)
-            fn = _broadcast_product_fn(pattern, graph)
-            anchor = pattern.outputs[-1]
-        else:
-            region = [pattern.matmul, *pattern.chain, pattern.reduce, *pattern.items]
-            inputs = [pattern.left, pattern.right]
-            outputs = [pattern.values, pattern.indices]
-            fn = _matmul_max_fn(pattern, graph)
-            anchor = pattern.reduce
-        if _replace_region(current, region, inputs, outputs, fn, anchor, state):
+        r = pattern.replacement(graph)
+        if replace_region(current, r.region, r.inputs, r.outputs, r.fn, r.anchor, state):
             done.append(pattern)
     done += _clone_oversized(graph, [p for p in plan.rewrites if isinstance(p, OversizedResult)], state)
     graph.gm.recompile()
