@@ -5,6 +5,8 @@ Built once per graph from :class:`~memplan.analysis.tensors.Tensors` and
 
 - ``with_sizes({storage: bytes})``: some storages resized or dropped (a loop's scratch at another chunk
   size; 0 bytes for a storage that is no longer made);
+- ``with_intervals(dropped, added)``: some storages gone, some intervals of bytes added (values a
+  chunked region no longer makes, or makes elsewhere);
 - ``with_order(order)``: the nodes run in another order (a schedule);
 - ``with_recompute(inserted, retouched)``: new nodes run before given nodes, and some nodes touch other
   storages than they did (copies of forward nodes in the backward; slices read instead of the values
@@ -38,7 +40,8 @@ Stages
         after the latest of its touchers';
     (c) ``with_recompute``: the nodes after an inserted one move down by one; a new node allocates the
         storages it creates where it runs; each storage dies after its latest toucher, the touches of the
-        retouched nodes replaced by those given.
+        retouched nodes replaced by those given;
+    (d) ``with_intervals``: as (a), the dropped storages' intervals subtracted and the added ones added.
 
 Moving nodes and changing what they touch are modelled under graph lifetimes (a storage dies after its
 last toucher); a model of a graph with eager lifetimes refuses them. Byte counts are exact (int64). A
@@ -243,6 +246,39 @@ class MemoryModel(Analysis):
         np.add.at(delta, self.start[k], change)
         np.add.at(delta, self.stop[k] + 1, -change)
         return Timeline(self.live + np.cumsum(delta[: self.end]))
+
+    def with_intervals(self, dropped: Iterable[int] = (), added: Iterable[tuple[int, int, int]] = ()) -> Timeline:
+        """The timeline with some storages gone and some intervals added, every node where it is.
+
+        Parameters
+        ----------
+        dropped : iterable of int
+            Counted storage ids no longer allocated where they were (each once).
+        added : iterable of (start, stop, nbytes)
+            Allocations of ``nbytes`` live on positions ``start..stop`` (``stop == end``: to the end); a
+            dropped storage allocated elsewhere, or a value made by a node that no longer exists.
+
+        Raises
+        ------
+        ValueError
+            For a storage that is not counted or dropped twice, or an interval outside ``0..end``.
+        """
+        # Step 3d: an interval adds its bytes at its start and frees them after its stop.
+        end = self.end
+        dropped = list(dropped)
+        k = self._counted(dropped)
+        if len(set(dropped)) != len(dropped):
+            raise ValueError(f"a storage is dropped once; got {dropped}")
+        added = np.array(list(added), dtype=np.int64).reshape(-1, 3)
+        start, stop, size = added[:, 0], added[:, 1], added[:, 2]
+        if np.any(start < 0) or np.any(start >= max(end, 1)) or np.any(stop < start) or np.any(stop > end) or np.any(size < 0):
+            raise ValueError(f"intervals must satisfy 0 <= start <= stop <= {end}, start < {end}, bytes >= 0")
+        delta = np.zeros(end + 2, dtype=np.int64)
+        np.add.at(delta, self.start[k], -self.nbytes[k])
+        np.add.at(delta, self.stop[k] + 1, self.nbytes[k])
+        np.add.at(delta, start, size)
+        np.add.at(delta, stop + 1, -size)
+        return Timeline(self.live + np.cumsum(delta[:end]))
 
     def with_order(self, order: Sequence[int]) -> Timeline:
         """The timeline of the graph run in ``order``, a permutation of its positions (``range(end)``):

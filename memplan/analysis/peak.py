@@ -31,7 +31,7 @@ from memplan.analysis.memory_model import MemoryModel
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph
 
-__all__ = ["SimEvent", "PeakSimulation", "live_steps", "step_margin"]
+__all__ = ["SimEvent", "PeakSimulation", "step_margin"]
 
 
 class SimEvent(NamedTuple):
@@ -46,21 +46,6 @@ class SimEvent(NamedTuple):
     allocated: int
     freed: int
     live: int
-
-
-def live_steps(tensors: Tensors, liveness: Liveness) -> tuple[dict[int, int], dict[int, int]]:
-    """Bytes allocated at and freed after each position of the walk, ``(born, dies)``: every storage that
-    is not external is born at its interval's start and dies after its end (unless it lives to the end)."""
-    born: dict[int, int] = {}
-    dies: dict[int, int] = {}
-    for sid, storage in tensors.storages.items():
-        if storage.external:
-            continue
-        interval = liveness.intervals[sid]
-        born[interval.start] = born.get(interval.start, 0) + storage.nbytes
-        if interval.end < liveness.end:
-            dies[interval.end] = dies.get(interval.end, 0) + storage.nbytes
-    return born, dies
 
 
 @dataclasses.dataclass(frozen=True)

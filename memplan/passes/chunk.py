@@ -115,7 +115,7 @@ from memplan._capture.tracer import quiet_meta_failures
 from memplan.analysis.liveness import Liveness
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.memory_model import MemoryModel
-from memplan.analysis.peak import PeakSimulation, live_steps
+from memplan.analysis.peak import PeakSimulation
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph, Phase
 from memplan.errors import InfeasibleBudgetError
@@ -1468,7 +1468,7 @@ def _potential(graph: CapturedGraph, region: ChunkRegion, tensors: Tensors) -> i
 
 
 def _peak_bound(graph: CapturedGraph, region: ChunkRegion, tensors: Tensors, liveness: Liveness,
-                steps: tuple[dict[int, int], dict[int, int]] | None = None) -> int:
+                memory: MemoryModel) -> int:
     """A lower bound on the peak of ``graph`` with ``region`` chunked, from the graph's own analyses
     (nothing is built): the loops' scratch counts as zero.
 
@@ -1482,9 +1482,10 @@ def _peak_bound(graph: CapturedGraph, region: ChunkRegion, tensors: Tensors, liv
     a recurrence along its batch makes the backward loop read every step's input, which the untouched
     backward had dropped step by step; the bound is above the untouched peak.
 
-    ``steps`` is :func:`~memplan.analysis.peak.live_steps` of the graph when the caller has it: under
-    graph lifetimes a storage that no node of the region touches keeps its interval, so only the others
-    are walked.
+    The bound is ``memory``'s timeline with the storages the region makes or reads given their new
+    intervals (:meth:`~memplan.analysis.memory_model.MemoryModel.with_intervals`): under graph
+    lifetimes a storage that no node of the region touches keeps its interval. Under eager lifetimes
+    every storage is given its interval again.
     """
     position = liveness.position
     forward = [n for n, _ in region.forward]
@@ -1516,35 +1517,23 @@ def _peak_bound(graph: CapturedGraph, region: ChunkRegion, tensors: Tensors, liv
 
     forward_first = first_read(kept & in_forward, in_forward)
     body_first = first_read(kept & in_body, members)
+    added: list[tuple[int, int, int]] = []
 
     def hold(start: int, end: int, size: int, readers: list[str]) -> None:
         if end < liveness.end:
             end = max([start] + [at for reader in readers for at in read_at(reader)])
-        born[start] = born.get(start, 0) + size
-        if end < liveness.end:
-            dies[end] = dies.get(end, 0) + size
+        added.append((start, end, size))
 
-    born: dict[int, int] = {}
-    dies: dict[int, int] = {}
-    affected = tensors.storages.keys()
-    if steps is not None and graph.lifetimes == "graph":
+    if graph.lifetimes == "graph":
         # storages of the region's values and of what it reads; every other storage is neither made
         # nor read by the region, and its interval (its readers' positions) stays as it is
         read = {a.name for name in members for a in node_of(name).all_input_nodes}
         affected = {sid for name in members | read for sid in tensors.storages_of(name)}
-        born, dies = dict(steps[0]), dict(steps[1])
-        for sid in affected:
-            storage = tensors.storages[sid]
-            if storage.external:
-                continue
-            interval = liveness.intervals[sid]
-            born[interval.start] -= storage.nbytes
-            if interval.end < liveness.end:
-                dies[interval.end] -= storage.nbytes
+    else:
+        affected = set(tensors.storages)
+    affected = {sid for sid in affected if not tensors.storages[sid].external}
     for sid in affected:
         storage = tensors.storages[sid]
-        if storage.external:
-            continue
         interval = liveness.intervals[sid]
         if storage.creator not in members:
             readers = [u.name for m in storage.members for u in node_of(m).users] + list(storage.members)
@@ -1563,15 +1552,7 @@ def _peak_bound(graph: CapturedGraph, region: ChunkRegion, tensors: Tensors, liv
             start = max(b_at, first) if member in in_body else first
             size = sum(info.nbytes for info in tensors.tensors[member] if info.storage == sid)
             hold(start, interval.end, size, readers)
-    # The walk of the timeline, at the positions where something is born or dies only: the others
-    # change neither the live bytes nor the peak (a 1000-step loop has 200k positions, a few thousand
-    # of them with births or deaths here).
-    live = peak = 0
-    for index in sorted(k for k in born.keys() | dies.keys() if 0 <= k < liveness.end):
-        live += born.get(index, 0)
-        peak = max(peak, live)
-        live -= dies.get(index, 0)
-    return peak
+    return memory.with_intervals(sorted(affected), added).peak
 
 
 def _overhead_bound(graph: CapturedGraph, region: ChunkRegion, rates: CostRates, chunks: int) -> float:
@@ -1939,13 +1920,12 @@ def _plan(
         finals: dict[ChunkRegion, Callable[[], CapturedGraph]] = {}
         over_budget = policy.budget is not None and base_peak > policy.budget
         worth = base_peak if over_budget else (1.0 - opts.min_gain) * base_peak
-        tensors, liveness = am.get(Tensors), am.get(Liveness)
-        steps = live_steps(tensors, liveness)
+        tensors, liveness, memory = am.get(Tensors), am.get(Liveness), am.get(MemoryModel)
         hazards = None  # the graph's own in-place hazards, found once a variant is built
         # Steps 1-4 find the regions; step 5 prices the candidates of those that can pay (a peak
         # below the policy's threshold, an overhead not hopeless), building each variant once.
         for region in _regions(current, opts, tensors):
-            if _peak_bound(current, region, tensors, liveness, steps) >= worth:
+            if _peak_bound(current, region, tensors, liveness, memory) >= worth:
                 continue
             if base_cost is None:
                 base_cost = graph_cost(current, opts.rates)

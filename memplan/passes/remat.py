@@ -116,6 +116,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from memplan.analysis.cost import REFERENCE_RATES, CostRates, node_cost, submodule_cost
 from memplan.analysis.manager import AnalysisManager
+from memplan.analysis.memory_model import MemoryModel, NewNode
 from memplan.analysis.peak import PeakSimulation, step_margin
 from memplan.analysis.tensors import Tensors, tensor_values
 from memplan.capture import CapturedGraph, Phase
@@ -1738,26 +1739,14 @@ class VirtualSimulation:
         self.place = place
         # Who reads each node (among the visited nodes), for following storages that a plan moves.
         readers: list[list[int]] = [[] for _ in nodes]
-        # Every (place, storage) a visited node touches as given: the storages it aliases and reads.
-        touch_place: list[int] = []
-        touch_sid: list[int] = []
-        alias_ids, arg_ids = self.alias_ids, self.arg_ids
-        for p, i in enumerate(self.order.tolist()):
-            touched = list(alias_ids[i])
-            for a in arg_ids[i]:
+        for i in self.order.tolist():
+            for a in self.arg_ids[i]:
                 readers[a].append(i)
-                touched.extend(alias_ids[a])
-            touch_place.extend([p] * len(touched))
-            touch_sid.extend(touched)
         self.readers = tuple(tuple(r) for r in readers)
-        self.touch_place = np.array(touch_place, dtype=np.int64)
-        self.touch_sid = np.array(touch_sid, dtype=np.int64)
-        # Storages the graph allocates: made by a visited node, not external; where, and how big.
-        born = [(sid, place[c], storages[sid].nbytes) for sid, c in self.creator.items()
-                if c >= 0 and place[c] >= 0 and not storages[sid].external]
-        self.born_sid = np.array([b[0] for b in born], dtype=np.int64)
-        self.born_place = np.array([b[1] for b in born], dtype=np.int64)
-        self.born_bytes = np.array([b[2] for b in born], dtype=np.int64)
+        # The timeline of an applied plan is the memory model's (its positions are ``place``).
+        if graph.lifetimes != "graph":
+            am = AnalysisManager(dataclasses.replace(graph, lifetimes="graph"))
+        self.model = am.get(MemoryModel)
         self._backward_users: dict[str, tuple[int, ...]] = {}
 
     def backward_users(self, name: str) -> tuple[int, ...]:
@@ -1875,7 +1864,6 @@ class VirtualSimulation:
         for anchor, run in runs.items():
             shift[place[anchor]] = len(run)
         at_place = np.arange(visited, dtype=np.int64) + np.cumsum(shift)  # position of each visited node
-        length = visited + int(shift.sum())
         at_new: dict[int, int] = {}
         for anchor, run in runs.items():
             start = int(at_place[place[anchor]]) - len(run)
@@ -1906,9 +1894,8 @@ class VirtualSimulation:
                 pending.append((int(at_place[place[item]]), item))
                 queued.add(item)
         heapq.heapify(pending)
-        last: dict[int, int] = {}  # storage -> position of its last reader among the visited items
+        touches: dict[int, tuple[int, ...]] = {}  # item -> the storages it aliases and reads
         born: dict[int, int] = {}  # new storage -> position of its first item
-        followed = np.zeros(visited, dtype=bool)
         while pending:
             at, item = heapq.heappop(pending)
             mapping: dict[int, int] | None
@@ -1958,48 +1945,38 @@ class VirtualSimulation:
                     own = tuple(dict.fromkeys(mapping[sid] for sid in alias_ids[node]))
                 else:
                     mapping, own = None, alias_ids[node]
-                if item < count:
-                    followed[place[item]] = True
-                    if mapping is not None:
-                        for reader in readers_of[item]:
-                            if reader not in queued:
-                                queued.add(reader)
-                                heapq.heappush(pending, (int(at_place[place[reader]]), reader))
+                if item < count and mapping is not None:
+                    for reader in readers_of[item]:
+                        if reader not in queued:
+                            queued.add(reader)
+                            heapq.heappush(pending, (int(at_place[place[reader]]), reader))
             maps[item] = mapping
             aliases[item] = own
+            touched = list(own)
             for sid in own:
-                last[sid] = at
                 if sid >= next_id and sid not in born:
                     born[sid] = at
             for arg_item in arg_items:
                 found = aliases.get(arg_item)
-                for sid in alias_ids[arg_item] if found is None else found:
-                    last[sid] = at
+                touched.extend(alias_ids[arg_item] if found is None else found)
+            touches[item] = tuple(dict.fromkeys(touched))
 
-        # Step 5: every other node touches what it touched before the plan, at its new position.
-        last_of = np.full(self.next_id, -1, dtype=np.int64)
-        kept = ~followed[self.touch_place]
-        np.maximum.at(last_of, self.touch_sid[kept], at_place[self.touch_place[kept]])
-        touched_sid = np.fromiter(last.keys(), dtype=np.int64, count=len(last))
-        touched_at = np.fromiter(last.values(), dtype=np.int64, count=len(last))
-        old = touched_sid < next_id
-        np.maximum.at(last_of, touched_sid[old], touched_at[old])
-        new_last = {sid: at for sid, at in last.items() if sid >= next_id}
-
-        # Step 6: allocations at births, frees after last reads (never for storages the outputs keep).
-        forever = {sid for item in self.output_ids for sid in aliases.get(item, alias_ids[item])}
-        kept_to_end = np.zeros(self.next_id, dtype=bool)
-        kept_to_end[[sid for sid in forever if sid < self.next_id]] = True
-        freed = ~kept_to_end[self.born_sid]
-        allocate = np.zeros(length, dtype=np.int64)
-        free = np.zeros(length, dtype=np.int64)
-        np.add.at(allocate, at_place[self.born_place], self.born_bytes)
-        np.add.at(free, last_of[self.born_sid[freed]], self.born_bytes[freed])
-        for sid, at in born.items():
-            allocate[at] += created[sid]
-            if sid not in forever:
-                free[new_last[sid]] += created[sid]
-        return np.cumsum(allocate) - (np.cumsum(free) - free)
+        # Step 5: the applied graph's timeline is the memory model's: each new item a ``NewNode`` before
+        # its anchor (in run order), each node followed here touching what it touches now, the output
+        # too when a storage it keeps moved. Every other node touches what it touched before the plan.
+        inserted: list[NewNode] = []
+        for anchor in sorted(runs, key=place.__getitem__):  # in run order: a storage is made before it is read
+            for item in runs[anchor]:
+                at = at_new[item]
+                own = set(aliases[item])
+                creates = {sid: created[sid] for sid in own if sid >= next_id and born[sid] == at}
+                inserted.append(NewNode(before=place[anchor], creates=creates,
+                                        touches=tuple(sid for sid in touches[item] if sid not in creates)))
+        retouched = {place[item]: touches[item] for item in touches if item < count}
+        if any(maps.get(item) is not None for item in self.output_ids):
+            retouched[self.model.end] = tuple(sid for item in self.output_ids
+                                              for sid in aliases.get(item, alias_ids[item]))
+        return self.model.with_recompute(inserted, retouched).live
 
 
 def after_stack_reads(facts: RematFacts, reads: Sequence[StackRead]) -> RematFacts:

@@ -167,6 +167,74 @@ def test_with_sizes_refuses_external_storages_and_negative_sizes():
 
 
 # ----------------------------------------------------------------------------------------------
+# with_intervals: storages gone, intervals of bytes added
+
+
+def intervals_walked(model, dropped, added) -> list[int]:
+    """The oracle: every kept storage's interval and every added one walked in Python."""
+    end = model.end
+    born, dies = [0] * end, [0] * end
+    gone = set(dropped)
+    rows = [(int(a), int(b), int(n)) for sid, a, b, n in zip(model.storage, model.start, model.stop, model.nbytes)
+            if int(sid) not in gone]
+    for start, stop, nbytes in rows + list(added):
+        born[start] += nbytes
+        if stop < end:
+            dies[stop] += nbytes
+    live, timeline = 0, []
+    for allocated, freed in zip(born, dies):
+        live += allocated
+        timeline.append(live)
+        live -= freed
+    return timeline
+
+
+def check_intervals(graph, seed):
+    model = model_of(graph)
+    rng = random.Random(seed)
+    ids = model.storage.tolist()
+    dropped = rng.sample(ids, min(5, len(ids)))
+    added = []
+    for _ in range(4):
+        start = rng.randrange(model.end)
+        added.append((start, rng.choice([start, rng.randrange(start, model.end + 1), model.end]), rng.choice([0, 8, 1 << 20])))
+    assert model.with_intervals(dropped, added).live.tolist() == intervals_walked(model, dropped, added)
+    # a storage dropped and given back its own interval at another size is with_sizes
+    sid = dropped[0]
+    k = ids.index(sid)
+    again = [(int(model.start[k]), int(model.stop[k]), 12345)]
+    assert model.with_intervals([sid], again).live.tolist() == model.with_sizes({sid: 12345}).live.tolist()
+    assert model.with_intervals().live.tolist() == model.live.tolist()
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "infer"])
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_examples_with_intervals_is_the_walked_timeline(name, train):
+    w = examples.make(name)
+    check_intervals(graph_of(w.model, w.inputs, train), seed=len(name))
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), train=st.booleans(), lifetimes=st.sampled_from(["graph", "eager"]))
+def test_random_programs_with_intervals_is_the_walked_timeline(seed, train, lifetimes):
+    model, inputs = random_model(seed, steps=16, requires_grad_input=train)
+    check_intervals(graph_of(model, inputs, train, lifetimes), seed)
+
+
+def test_with_intervals_refuses_uncounted_storages_and_bad_intervals():
+    entry = ZOO[0]
+    model = model_of(graph_of(entry.model, entry.inputs, True))
+    external = next(sid for sid, s in model.tensors.storages.items() if s.external)
+    with pytest.raises(ValueError, match="not counted"):
+        model.with_intervals([external])
+    with pytest.raises(ValueError, match="dropped once"):
+        model.with_intervals([int(model.storage[0])] * 2)
+    for bad in [(-1, 0, 4), (3, 2, 4), (0, model.end + 1, 4), (0, 0, -4)]:
+        with pytest.raises(ValueError, match="intervals must"):
+            model.with_intervals((), [bad])
+
+
+# ----------------------------------------------------------------------------------------------
 # with_order: a reorder
 
 

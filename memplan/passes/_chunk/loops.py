@@ -19,7 +19,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.fx.graph import _BoxedCodeGen
 
-from memplan.analysis.liveness import Liveness
+from memplan.analysis.memory_model import MemoryModel
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation
 from memplan.analysis.tensors import Tensors, tensor_values
@@ -579,14 +579,14 @@ class BodyModel:
 
     Changing the chunk length changes no node, no storage and no live interval of a body: a value that
     carries the index changes its size in proportion to the length, every other value keeps its size.
-    So one built body prices every length: ``peak`` re-walks the body's storages with scaled sizes (the
-    walk of :class:`~memplan.analysis.peak.PeakSimulation`), ``cost`` scales each op's work
-    (:class:`~memplan.analysis.cost.OpWork`).
+    So one built body prices every length: ``peak`` is the body's
+    :class:`~memplan.analysis.memory_model.MemoryModel` with the storages that carry the index resized
+    (``with_sizes``), ``cost`` scales each op's work (:class:`~memplan.analysis.cost.OpWork`).
     """
 
     length: int
-    storages: tuple[tuple[int, int, int, bool], ...]  # (born at, dies after (-1: never), bytes, scales)
-    steps: int
+    model: MemoryModel = dataclasses.field(repr=False)  # the body's, at ``length``
+    scaled: tuple[tuple[int, int], ...]  # (storage id, bytes at ``length``) of the storages that carry the index
     work: tuple[OpWork, ...]
     held: int = 0  # bytes per unit of length the loop holds beside the body (inputs it widens)
     results: int = 0  # bytes of the first chunk's values that become the loop's results (see handed_over)
@@ -597,38 +597,28 @@ class BodyModel:
         """``scales(name, index)``: the value of body node ``name`` (item ``index``) carries the index;
         ``held``: bytes per unit of length the loop holds beside the body; ``outputs``: how the loop
         combines the body's outputs (for :func:`handed_over`)."""
-        graph = body_graph(body)
-        am = AnalysisManager(graph)
-        tensors, liveness = am.get(Tensors), am.get(Liveness)
-        storages = []
+        am = AnalysisManager(body_graph(body))
+        tensors = am.get(Tensors)
+        scaled = []
         for sid, storage in tensors.storages.items():
             if storage.external:
                 continue
             index = next(info.index for info in tensors.tensors[storage.creator] if info.storage == sid)
-            interval = liveness.intervals[sid]
-            dies = interval.end if interval.end < liveness.end else -1
-            storages.append((interval.start, dies, storage.nbytes, scales(storage.creator, index)))
+            if scales(storage.creator, index):
+                scaled.append((sid, storage.nbytes))
 
         def node_scales(node: torch.fx.Node) -> bool:
             items = [i for i, _ in tensor_values(node)]
             return any(scales(node.name, i) for i in items)
 
         work = tuple(op_work(n, node_scales) for n in body.graph.nodes if n.op == "call_function")
-        return cls(length, tuple(storages), len(liveness.order), work, held, handed_over(body, outputs, tensors))
+        return cls(length, am.get(MemoryModel), tuple(scaled), work, held, handed_over(body, outputs, tensors))
 
     def peak(self, length: int) -> int:
-        born: dict[int, int] = {}
-        dies: dict[int, int] = {}
-        for start, end, size, scaled in self.storages:
-            size = size * length // self.length if scaled else size
-            born[start] = born.get(start, 0) + size
-            if end >= 0:
-                dies[end] = dies.get(end, 0) + size
-        live = peak = 0
-        for index in range(self.steps):
-            live += born.get(index, 0)
-            peak = max(peak, live)
-            live -= dies.get(index, 0)
+        if length == self.length or not self.scaled:
+            peak = self.model.peak
+        else:
+            peak = self.model.with_sizes({sid: size * length // self.length for sid, size in self.scaled}).peak
         return peak + self.held * length
 
     def scratch(self, units: int, chunk: int) -> int:
