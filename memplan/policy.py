@@ -25,7 +25,7 @@ from typing import Generic, TypeVar
 from memplan.errors import InfeasibleBudgetError
 from memplan.measure import format_bytes
 
-__all__ = ["Policy", "Candidate", "parse_bytes", "parse_budget"]
+__all__ = ["Policy", "Candidate", "pareto_front", "parse_bytes", "parse_budget"]
 
 T = TypeVar("T")
 
@@ -178,3 +178,16 @@ class Policy:
                 )
         allowed = [c for c in candidates if c.overhead <= self.max_overhead] or [min(candidates, key=lambda c: c.overhead)]
         return min(allowed, key=lambda c: (c.peak, c.overhead, c.label))
+
+
+def pareto_front(candidates: Sequence[Candidate[T]]) -> list[Candidate[T]]:
+    """Drop candidates that another beats on both peak and overhead (ties kept: the policy breaks them)."""
+    kept = []
+    for c in candidates:
+        dominated = any(
+            (o.peak <= c.peak and o.overhead <= c.overhead) and (o.peak < c.peak or o.overhead < c.overhead)
+            for o in candidates
+        )
+        if not dominated:
+            kept.append(c)
+    return kept

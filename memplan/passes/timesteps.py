@@ -31,13 +31,13 @@ Stages
     ``C(L, m) = min_y y + C(L - y, m - 1) + C(y, m)``, ``C(1, m) = 1``, ``C(L, 0) = inf`` (Gruslys et
     al. 2016, BPTT-HSM) picks the split ``y``: advance ``y`` steps, keep that state, process the right
     part with one slot less, then the left part. ``m = 0`` means the segment is recomputed whole (plain
-    checkpointing). A schedule is realised as nested :class:`~memplan.passes.remat.RecomputeGroup`:
+    checkpointing). A schedule is realised as nested :class:`~memplan.passes._remat.copies.RecomputeGroup`:
     a segment or split interval is a group whose children are its parts; a copy reads its group's
     copies, then its ancestors', then the saved originals; each group copies only what its consumers
     need, just before the first of them, so an advance of ``y`` steps copies only those steps.
 (5) Candidates. Segment lengths (powers of two and about ``sqrt(T * activations / state)``) times
     slot counts are costed with the model (memory ``(k + m) * state + leaf activations``, compute in
-    step recomputations); the Pareto front is simulated exactly (``remat.VirtualSimulation``) beside the
+    step recomputations); the Pareto front is simulated exactly (:class:`~memplan.passes._remat.simulation.VirtualSimulation`) beside the
     segments of ``sqrt(steps)`` steps recomputed whole, overhead is the copies' predicted seconds
     over the whole graph's (the time model, :mod:`memplan.analysis.cost`), and ``ctx.policy.choose`` picks one (a budget:
     least overhead that fits, or :class:`~memplan.errors.InfeasibleBudgetError` naming the smallest
@@ -90,22 +90,20 @@ from memplan.analysis.peak import PeakSimulation
 from memplan.capture import CapturedGraph, Phase
 from memplan.graphutil import packet_name
 from memplan.measure import format_bytes
-from memplan.passes.remat import (
+from memplan.passes._remat.copies import (
     RecomputeGroup,
-    RematFacts,
     RematPlan,
-    VirtualSimulation,
     after_stack_reads,
-    backward_reads,
-    copy_costs,
-    forward_inputs,
-    pareto_front,
     apply_remat,
+    backward_reads,
+    forward_inputs,
     plan_copies,
     plan_stack_reads,
 )
+from memplan.passes._remat.facts import RematFacts, copy_costs
+from memplan.passes._remat.simulation import VirtualSimulation
 from memplan.pipeline import PassContext, PassResult, PassStats, pass_options, register_pass
-from memplan.policy import Candidate, Policy
+from memplan.policy import Candidate, Policy, pareto_front
 
 __all__ = [
     "TimestepOptions",

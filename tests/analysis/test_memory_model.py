@@ -24,7 +24,8 @@ from memplan.analysis.peak import PeakSimulation
 from memplan.analysis.tensors import Tensors
 from memplan.capture import capture
 from memplan.graphutil import copy_graph
-from memplan.passes.remat import RematOptions, apply_remat, plan_remat
+from memplan.passes._remat.copies import apply_remat
+from memplan.passes.remat import RematOptions, plan_remat
 from memplan.passes.schedule import STRATEGIES, SchedulePlan, ScheduleProblem, apply_schedule
 from memplan.policy import Policy
 from memplan.testing import random_model, zoo

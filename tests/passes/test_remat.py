@@ -20,24 +20,15 @@ from memplan.examples.latent_gru import LatentGRU
 from memplan.examples.seq2seq import Seq2Seq
 from memplan.graphutil import is_random, packet_name
 from memplan.measure import measure
-from memplan.passes.remat import (
-    CutNetwork,
-    RematFacts,
-    RematOptions,
-    VirtualSimulation,
-    _reaches_sink_after_max_flow,
-    apply_remat,
-    graph_flops,
-    min_cut,
-    module_flops,
-    node_flops,
-    pareto_front,
-    plan_remat,
-    step_margin,
-)
+from memplan.analysis.peak import step_margin
+from memplan.passes._remat.copies import apply_remat
+from memplan.passes._remat.cuts import CutNetwork, _reaches_sink_after_max_flow, min_cut
+from memplan.passes._remat.facts import RematFacts, graph_flops, module_flops, node_flops
+from memplan.passes._remat.simulation import VirtualSimulation
+from memplan.passes.remat import RematOptions, plan_remat
 from memplan.graphutil import copy_graph, mutated_args
 from memplan.pipeline import PassManager
-from memplan.policy import Policy
+from memplan.policy import Policy, pareto_front
 from memplan.steps import step_fn
 from memplan.testing import assert_equivalent, is_well_conditioned, random_model, zoo
 

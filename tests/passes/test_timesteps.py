@@ -21,7 +21,9 @@ from memplan.examples.latent_gru import LatentGRU
 from memplan.examples.seq2seq import Seq2Seq
 from memplan.graphutil import is_random
 from memplan.measure import measure
-from memplan.passes.remat import RematFacts, apply_remat, step_margin
+from memplan.analysis.peak import step_margin
+from memplan.passes._remat.copies import apply_remat
+from memplan.passes._remat.facts import RematFacts
 from memplan.passes.timesteps import (
     Schedule,
     TimestepOptions,
@@ -304,7 +306,7 @@ def test_random_loops(seed, ops, steps, stack, max_overhead):
 
 
 def _copy_setup(name):
-    from memplan.passes.remat import after_stack_reads, backward_reads, forward_inputs, plan_stack_reads
+    from memplan.passes._remat.copies import after_stack_reads, backward_reads, forward_inputs, plan_stack_reads
     from memplan.passes.timesteps import _describe_steps
 
     model, inputs = MODELS[name]()
@@ -324,7 +326,7 @@ def test_groups_by_step_ranges_copy_what_the_unions_of_their_steps_copy(name):
     # Groups name their steps' nodes by range, and only the intervals without parts serve: a long loop
     # under one state slot no longer builds sets whose sizes sum to the square of its length. The copies
     # are those of the groups built from the unions, every step serving through every interval.
-    from memplan.passes.remat import RecomputeGroup, plan_copies
+    from memplan.passes._remat.copies import RecomputeGroup, plan_copies
     from memplan.passes.timesteps import _groups
 
     facts, loops, inputs, backward = _copy_setup(name)
@@ -345,7 +347,7 @@ def test_groups_by_step_ranges_copy_what_the_unions_of_their_steps_copy(name):
 
 
 def test_copies_are_counted_only_up_to_the_limit():
-    from memplan.passes.remat import plan_copies
+    from memplan.passes._remat.copies import plan_copies
     from memplan.passes.timesteps import _groups
 
     facts, loops, inputs, backward = _copy_setup("lstm")
@@ -365,7 +367,7 @@ def test_copies_are_counted_only_up_to_the_limit():
 def test_a_budget_chooses_among_all_schedules_though_it_plans_fewer(name):
     # With a budget, schedules that cost more than a candidate already fitting are counted only that
     # far, and never simulated: the choice is still the one among every schedule.
-    from memplan.passes.remat import pareto_front
+    from memplan.policy import pareto_front
 
     model, inputs = MODELS[name]()
     graph = graph_of(model, inputs)
