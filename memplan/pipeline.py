@@ -282,12 +282,14 @@ def mutation_hazards(graph: CapturedGraph, am: AnalysisManager) -> frozenset[tup
             open_members = [(last, member) for last, member in open_members if last > p]
             if not open_members:
                 continue
-            written = element_span(target.meta.get("val"))
+            value = target.meta.get("val")
+            written = element_span(value)
             for _, member in open_members:
                 if member == node.name:
                     continue
-                if not _overlap(written, element_span(by_name[member].meta.get("val"))):
-                    continue
+                other = by_name[member].meta.get("val")
+                if not _overlap(written, element_span(other)) or not elements_overlap(value, other):
+                    continue  # the spans apart, or interleaved without a common element (a buffer's columns)
                 for q, reader in readers_of[member][1]:
                     if q > p:
                         hazards.add((node.name, reader))
@@ -314,6 +316,64 @@ def element_span(value: Any) -> tuple[int, int] | None:
         return (0, -1)
     offset = int(value.storage_offset())
     return offset, offset + sum((int(n) - 1) * int(s) for n, s in zip(value.shape, value.stride()))
+
+
+def elements_overlap(a: Any, b: Any, limit: int = 4096) -> bool:
+    """Whether two tensors of one storage can share an element, exactly for strided views: whether
+    ``offset(a) + sum(i_k * stride_k) == offset(b) + sum(j_k * stride_k')`` has a solution. True when
+    unknown (not tensors, or the search takes more than ``limit`` steps).
+
+    Both index sets are searched together, largest stride first: at each stride the difference of the
+    two indices is bounded by what the smaller strides can still make up, so interleaved slices (the
+    columns ``[:, 0:4]`` and ``[:, 8:12]`` of a ``(B, 12)`` buffer, whose element spans overlap) are
+    told apart in a few steps.
+
+    Examples
+    --------
+    >>> buf = torch.zeros(4, 12)
+    >>> elements_overlap(buf[:, 0:4], buf[:, 8:12]), elements_overlap(buf[:, 0:9], buf[:, 8:12])
+    (False, True)
+    >>> elements_overlap(buf[1], buf[:, 3]), elements_overlap(buf[0], buf[1])
+    (True, False)
+    """
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return True
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    # a stride used by several dimensions of one tensor (a broadcast view): fall back to the spans
+    strides_a = [int(s) for n, s in zip(a.shape, a.stride()) if n > 1 and s != 0]
+    strides_b = [int(s) for n, s in zip(b.shape, b.stride()) if n > 1 and s != 0]
+    if len(set(strides_a)) != len(strides_a) or len(set(strides_b)) != len(strides_b):
+        return _overlap(element_span(a), element_span(b))
+    extent_a = {int(s): int(n) for n, s in zip(a.shape, a.stride()) if n > 1 and s != 0}
+    extent_b = {int(s): int(n) for n, s in zip(b.shape, b.stride()) if n > 1 and s != 0}
+    order = sorted(set(extent_a) | set(extent_b), reverse=True)
+    rows = [(s, extent_a.get(s, 1), extent_b.get(s, 1)) for s in order]
+    # what the dimensions from k on can still add: up to reach_a above, down to reach_b below
+    reach_a = [0] * (len(rows) + 1)
+    reach_b = [0] * (len(rows) + 1)
+    for k in range(len(rows) - 1, -1, -1):
+        s, na, nb = rows[k]
+        reach_a[k] = reach_a[k + 1] + (na - 1) * s
+        reach_b[k] = reach_b[k + 1] + (nb - 1) * s
+    steps = [0]
+
+    def solve(k: int, target: int) -> bool:
+        # is target == sum over dimensions k.. of (i - j) * stride, i < na, j < nb?
+        steps[0] += 1
+        if steps[0] > limit:
+            raise OverflowError
+        if k == len(rows):
+            return target == 0
+        s, na, nb = rows[k]
+        low = max(-(nb - 1), -((reach_a[k + 1] - target) // s))  # d * s >= target - reach_a[k + 1]
+        high = min(na - 1, (target + reach_b[k + 1]) // s)  # d * s <= target + reach_b[k + 1]
+        return any(solve(k + 1, target - d * s) for d in range(low, high + 1))
+
+    try:
+        return solve(0, int(b.storage_offset()) - int(a.storage_offset()))
+    except OverflowError:
+        return True
 
 
 def _overlap(a: tuple[int, int] | None, b: tuple[int, int] | None) -> bool:

@@ -2,6 +2,7 @@ import logging
 import os
 
 import pytest
+import torch
 from hypothesis import settings
 
 from memplan.pipeline import pass_failures
@@ -11,6 +12,13 @@ pytest_plugins = ["pytester"]
 # Plans are priced with the time model's reference rates, not the rates calibrated on the machine that
 # runs the suite: the same plans, and so the same peaks, on every machine (see memplan.analysis.cost).
 os.environ["MEMPLAN_RATES"] = "reference"
+
+# Under pytest-xdist each worker is a process: torch's intra-op threads are shared out between them (an
+# explicit OMP_NUM_THREADS, as .ci/variations sets, is left as it is). Plans do not depend on it: the
+# reference rates price one thread.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
 
 # The plain test run draws the same examples on every machine and every run, so a failure is the
 # change's, and the command that failed reproduces it. `--hypothesis-profile=explore` draws new

@@ -4,6 +4,8 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import memplan
 from memplan.analysis.manager import AnalysisManager
@@ -590,3 +592,38 @@ def test_the_ladder_rolls_a_failing_pass_back_once_and_budget_errors_still_raise
 def test_on_failure_is_checked():
     with pytest.raises(ValueError, match='on_failure must be "raise" or "rollback"'):
         PassManager("", on_failure="ignore")
+
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_elements_overlap_is_exact_for_strided_views(data):
+    """Against the sets of element offsets, on random strided views of one storage: exact where each
+    view moves along distinct strides, never 'disjoint' where they share an element otherwise."""
+
+    from memplan.pipeline import elements_overlap
+
+    def view():
+        rank = data.draw(st.integers(1, 3))
+        return ([data.draw(st.integers(1, 4)) for _ in range(rank)],
+                [data.draw(st.integers(0, 13)) for _ in range(rank)], data.draw(st.integers(0, 20)))
+
+    def offsets(shape, strides, offset):
+        found = {offset}
+        for n, s in zip(shape, strides):
+            found = {o + i * s for o in found for i in range(n)}
+        return found
+
+    def distinct(shape, strides):
+        moving = [s for n, s in zip(shape, strides) if n > 1 and s]
+        return len(set(moving)) == len(moving)
+
+    (sa, ta, oa), (sb, tb, ob) = view(), view()
+    size = max(max(offsets(sa, ta, oa)), max(offsets(sb, tb, ob))) + 1
+    base = torch.zeros(size)
+    found = elements_overlap(base.as_strided(sa, ta, oa), base.as_strided(sb, tb, ob))
+    exact = bool(offsets(sa, ta, oa) & offsets(sb, tb, ob))
+    if distinct(sa, ta) and distinct(sb, tb):
+        assert found == exact
+    else:
+        assert found or not exact

@@ -25,6 +25,12 @@ eager's (up to summation order):
     the unexpanded computation. ``F.cosine_similarity(z[:, None], z[None], dim=-1)`` then never holds
     its ``(B, B, D)`` norms, quotients and product (see :class:`BroadcastProduct`).
 
+(e) **Copies saved before an in-place write.** ``c = clone(v); op_(v, ...)`` (autograd's copy of a value an
+    in-place op then overwrites; ``nn.GRUCell`` makes two a step) runs the op out of place and reads
+    ``v`` where the copy was read: the same values and bytes, and no read of a storage before a later
+    write into it, which kept the storage and the copy from being recomputed (see
+    :mod:`~memplan.passes._rewrite.saved_before_write`). Kept only if the simulated peak does not rise.
+
 (d) **Oversized results.** A result whose storage, made by its own op, is at least twice its extent
     (CPU reduced losses write the elementwise loss into the storage of their 0-d result; ``col2im`` keeps
     one as large as its input) is cloned right after it and the clone read in its place, so the large
@@ -105,6 +111,11 @@ from memplan.graphutil import mutated_args, packet_name
 from memplan.opschema import is_view_op
 from memplan.ops import grouped_addmm_
 from memplan.passes._chunk.graphs import copy_graph, fake_call, fake_mode_of
+from memplan.passes._rewrite.saved_before_write import (
+    SavedBeforeWrite,
+    apply_saved_before_write,
+    find_saved_before_write,
+)
 from memplan.passes._rewrite.region import (
     Replacement,
     forward_nodes,
@@ -245,7 +256,8 @@ class OversizedResult:
         return f"oversized result {self.node}: cloned out of its {self.held}-byte storage ({self.kept} bytes kept)"
 
 
-Rewrite = Union[BroadcastMatmul, MatmulMax, ScatterIntoZeros, InterleavedSlices, OversizedResult, "BroadcastProduct"]
+Rewrite = Union[BroadcastMatmul, MatmulMax, ScatterIntoZeros, InterleavedSlices, OversizedResult, "BroadcastProduct",
+                SavedBeforeWrite]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -977,6 +989,33 @@ def _broadcast_product_fn(pattern: BroadcastProduct, graph: CapturedGraph) -> Ca
 # plan and apply
 
 
+def _write_out_of_place(graph: CapturedGraph, patterns: Sequence[SavedBeforeWrite], state: dict) -> list[SavedBeforeWrite]:
+    """Run each in-place write whose input autograd copied first out of place (see
+    :mod:`~memplan.passes._rewrite.saved_before_write`), when that does not raise the graph's simulated
+    peak: the storage the copy's readers now read may live longer than the copy did. Tried on a copy
+    of the graph first, so a refusal leaves the graph as it was."""
+    live = {n.name for n in graph.gm.graph.nodes}
+    patterns = [p for p in patterns if {p.clone, p.write, p.value} <= live]  # not erased by a region rewrite
+    if not patterns:
+        return []
+
+    def current(of: CapturedGraph, at: dict) -> CapturedGraph:
+        return dataclasses.replace(of, phases=dict(at["phases"]), sources=dict(at["sources"]),
+                                   seq_nr=dict(at["seq_nr"]), outputs=at["outputs"])
+
+    before = AnalysisManager(current(graph, state)).get(PeakSimulation).peak
+    trial = copy_graph(current(graph, state))
+    trial_state = {"phases": dict(state["phases"]), "sources": dict(state["sources"]),
+                   "seq_nr": dict(state["seq_nr"]), "outputs": state["outputs"]}
+    for pattern in patterns:
+        apply_saved_before_write(trial, pattern, trial_state)
+    if AnalysisManager(current(trial, trial_state)).get(PeakSimulation).peak > before:
+        return []
+    for pattern in patterns:
+        apply_saved_before_write(current(graph, state), pattern, state)
+    return list(patterns)
+
+
 def _clone_oversized(graph: CapturedGraph, patterns: Sequence[OversizedResult], state: dict) -> list[OversizedResult]:
     """Clone each oversized result out of its storage (see :class:`OversizedResult`); the clones are kept
     only if they do not raise the graph's simulated peak (a clone made at the peak adds its bytes there)."""
@@ -1057,6 +1096,7 @@ _FINDERS: tuple[Callable[[CapturedGraph], Sequence[Rewrite]], ...] = (
     _find_broadcast_products,
     _find_scatter_into_zeros,
     _find_interleaved_slices,
+    find_saved_before_write,
     _find_oversized_results,
 )
 
@@ -1094,7 +1134,7 @@ def apply_rewrite(graph: CapturedGraph, plan: RewritePlan) -> tuple[CapturedGrap
              "outputs": graph.outputs}
     done: list[Rewrite] = []
     for pattern in plan.rewrites:
-        if isinstance(pattern, OversizedResult):
+        if isinstance(pattern, (OversizedResult, SavedBeforeWrite)):
             continue  # last, on the graph the other rewrites leave
         current = dataclasses.replace(graph, phases=dict(state["phases"]), seq_nr=dict(state["seq_nr"]), sources=dict(state["sources"]))
         if isinstance(pattern, (ScatterIntoZeros, InterleavedSlices)):
@@ -1104,6 +1144,7 @@ def apply_rewrite(graph: CapturedGraph, plan: RewritePlan) -> tuple[CapturedGrap
         r = pattern.replacement(graph)
         if replace_region(current, r.region, r.inputs, r.outputs, r.fn, r.anchor, state):
             done.append(pattern)
+    done += _write_out_of_place(graph, [p for p in plan.rewrites if isinstance(p, SavedBeforeWrite)], state)
     done += _clone_oversized(graph, [p for p in plan.rewrites if isinstance(p, OversizedResult)], state)
     graph.gm.recompile()
     live = {n.name for n in graph.gm.graph.nodes}

@@ -471,8 +471,13 @@ def _describe_steps(graph: CapturedGraph, loop: Loop, facts: RematFacts,
             and all(m in inside for m in facts.units.get(n, ()))  # an in-place unit split by the boundary stays
         )
         nodes.append(copyable)
-        seqs = {graph.seq_nr[n] for n in step if n in graph.seq_nr}
-        serves.append(frozenset(b for seq in seqs for b in backward_by_seq.get(seq, ())))
+        # The backward nodes of every autograd node the step made: sequence numbers grow as the forward
+        # runs, so they are the step's range, which also holds those no forward node is tagged with (an
+        # in-place op on a view is tagged with the CopySlices node made after its own, whose number its
+        # backward ops carry: GRUCell's ``mul_`` on a gate slice).
+        seqs = [graph.seq_nr[n] for n in step if n in graph.seq_nr and graph.seq_nr[n] < 2**62]
+        span = range(min(seqs), max(seqs) + 1) if seqs else range(0)
+        serves.append(frozenset(b for seq in span for b in backward_by_seq.get(seq, ())))
         activation += sum(facts.nodes[n].save_bytes for n in copyable if facts.nodes[n].first_reader is not None)
         seconds += sum(facts.nodes[n].seconds for n in copyable)
     count = max(1, len(loop.steps))
@@ -559,9 +564,19 @@ def plan_timesteps(
         When the policy has a budget that no candidate meets; it names the smallest reachable peak.
     """
     # Steps 1-3: facts (what may be recomputed, what is free to save), loops and their steps.
-    facts = RematFacts.compute(graph, am, rates=rates)
+    plain = RematFacts.compute(graph, am, rates=rates)
     reads = plan_stack_reads(graph, am)
-    facts = after_stack_reads(facts, reads)
+    facts = after_stack_reads(plain, reads)
+    found = find_loops(graph, facts, options)
+    # A stack made inside a step (``cat([x_t, context])``, which a step's backward reads) is kept anyway
+    # only while nothing is recomputed: read from it, its parts are free to save, but the stack itself
+    # can then never be recomputed, and every step's stack stays saved. Checkpointing recomputes the
+    # step instead; stacks made outside the steps (the outputs a loop stacks and returns) stay read.
+    inside = {name for loop in found for step in loop.steps for name in step}
+    if any(read.stack in inside for read in reads):
+        reads = tuple(read for read in reads if read.stack not in inside)
+        facts = after_stack_reads(plain, reads)
+        found = find_loops(graph, facts, options)  # the step boundaries, rotated by the new facts
     simulation = VirtualSimulation(graph, am)
     base_peak = am.get(PeakSimulation).peak + simulation.margin  # the pipeline computes it anyway
     candidates = [Candidate(RematPlan("keep every step"), base_peak, 0.0, "keep every step")]
@@ -569,7 +584,7 @@ def plan_timesteps(
     for node in graph.gm.graph.nodes:
         if graph.phases.get(node.name) is Phase.BACKWARD and node.name in graph.seq_nr:
             backward_by_seq.setdefault(graph.seq_nr[node.name], []).append(node.name)
-    loops = [_describe_steps(graph, loop, facts, backward_by_seq) for loop in find_loops(graph, facts, options)]
+    loops = [_describe_steps(graph, loop, facts, backward_by_seq) for loop in found]
     loops = [s for s in loops if s.activation > 0]
     if not loops:
         return policy.choose(candidates), tuple(candidates), ()

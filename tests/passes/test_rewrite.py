@@ -1,6 +1,8 @@
 """The rewrite pass: broadcast matmuls without an expanded copy, matmul+max keeping indices, broadcast
 products evaluated unexpanded."""
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -586,3 +588,76 @@ def test_a_leaf_gradient_summed_from_two_contributions_leaves_the_plan_in_the_le
     step = step_fn(opt, (h, x), train=True)
     step()
     assert measure(step).peak <= opt.plan.planned_peak + step_margin(opt.plan.graph)  # + the step's own loss
+
+
+# ----------------------------------------------------------------------------------------------
+# (e) a copy autograd saves before an in-place write: the write made out of place
+
+
+class GatesWrittenInPlace(nn.Module):
+    """``nn.GRUCell`` (whose decomposition clones a gate slice before ``mul_`` overwrites it), twice."""
+
+    def __init__(self, inputs=6, hidden=5):
+        super().__init__()
+        self.cell = nn.GRUCell(inputs, hidden)
+
+    def forward(self, xs, h):
+        for x in xs:
+            h = self.cell(x, h)
+        return h
+
+
+class ReadThroughTheBuffer(nn.Module):
+    """``c = v.clone(); v.mul_(w)`` where the written buffer is read whole afterwards: that read saw the
+    written column, so the write must stay in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        buf = x * 2
+        col = buf[:, 1]
+        saved = col.clone()
+        col.mul_(self.w)
+        return buf.sum(1) * saved
+
+
+def _saved_before_write(graph):
+    from memplan.passes._rewrite.saved_before_write import SavedBeforeWrite
+
+    return [r for r in plan_rewrite(graph).rewrites if isinstance(r, SavedBeforeWrite)]
+
+
+def test_a_gru_cells_saved_copies_go_and_gradients_stay():
+    model = GatesWrittenInPlace()
+    xs, h = torch.randn(3, 2, 6, requires_grad=True), torch.randn(2, 5, requires_grad=True)
+    graph = dataclasses.replace(capture(model, xs, h), lifetimes="graph")  # as the pipeline plans
+    found = _saved_before_write(graph)
+    assert len(found) == 2 * 3  # the gate slice and ``h - n``, each step
+    new, done = apply_rewrite(graph, plan_rewrite(graph))
+    assert set(found) <= set(done)
+    clones = [n for n in new.gm.graph.nodes if n.target is torch.ops.aten.clone.default]
+    assert not clones
+    assert_equivalent(model, memplan.optimize(model, passes="rewrite"), xs, h)
+    assert_equivalent(model, memplan.optimize(model), xs, h)
+
+
+def test_a_write_read_through_another_alias_afterwards_stays_in_place():
+    model = ReadThroughTheBuffer()
+    x = torch.randn(3, 4, requires_grad=True)
+    graph = dataclasses.replace(capture(model, x), lifetimes="graph")
+    assert graph.gm.graph.find_nodes(op="call_function", target=torch.ops.aten.clone.default)
+    assert not _saved_before_write(graph)
+    assert_equivalent(model, memplan.optimize(model), x)
+
+
+def test_a_write_into_an_input_stays_in_place():
+    def write_input(x, w):
+        saved = x.clone()
+        x.mul_(2)  # the caller sees x doubled
+        return (saved * w).sum()
+
+    x, w = torch.randn(4), torch.randn(4, requires_grad=True)
+    graph = dataclasses.replace(capture(write_input, x, w), lifetimes="graph")
+    assert not _saved_before_write(graph)

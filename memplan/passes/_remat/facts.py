@@ -238,7 +238,11 @@ def _inplace_units(graph: CapturedGraph, tensors: Tensors, position: Mapping[str
     storage (``nn.LSTMCell``'s gate buffer: ``addmm``, ``add_``, then ``sigmoid_``/``tanh_`` on slices).
     Conditions: every member (node aliasing it) is in the forward and aliases nothing else, the creator
     is a single tensor, and every forward node outside the unit that reads it does so after the last
-    write (so the copies' final state is what every reader saw).
+    write (so the copies' final state is what every reader saw), or makes a storage of its own from it
+    before then without writing (``nn.GRUCell``'s ``clone`` of a gate that autograd saves before
+    ``mul_`` overwrites it). Such an early reader read a state the copies pass through, not their final
+    one: it is never recomputed (:func:`_why_not_recomputable` sees the later write), so it is saved,
+    and the unit still is replayed whole.
     """
     by_name = {n.name: n for n in graph.gm.graph.nodes}
     units: dict[str, tuple[str, ...]] = {}
@@ -266,8 +270,10 @@ def _inplace_units(graph: CapturedGraph, tensors: Tensors, position: Mapping[str
             for user in by_name[member].users:
                 if user.name in inside or graph.phases.get(user.name) is not Phase.FORWARD:
                     continue
-                if position[user.name] < last or not isinstance(by_name[member].meta.get("val"), torch.Tensor):
+                if not isinstance(by_name[member].meta.get("val"), torch.Tensor):
                     ok = False
+                elif position[user.name] < last and (mutated_args(user) or sid in tensors.storages_of(user.name)):
+                    ok = False  # an early reader that writes, or aliases the storage (a view read later)
         if ok:
             for member in members:
                 units[member] = members
