@@ -661,3 +661,20 @@ def test_a_write_into_an_input_stays_in_place():
     x, w = torch.randn(4), torch.randn(4, requires_grad=True)
     graph = dataclasses.replace(capture(write_input, x, w), lifetimes="graph")
     assert not _saved_before_write(graph)
+
+
+def test_a_write_that_would_promote_out_of_place_stays_in_place():
+    class Promoting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4))
+
+        def forward(self, x):
+            v = (x * 2).to(torch.bfloat16)
+            saved = v.clone()
+            v.mul_(self.w)  # stays bfloat16 in place; v.mul(self.w) would be float32
+            return (v.float() * saved.float()).sum()
+
+    x = torch.randn(3, 4, requires_grad=True)
+    graph = dataclasses.replace(capture(Promoting(), x), lifetimes="graph")
+    assert not _saved_before_write(graph)

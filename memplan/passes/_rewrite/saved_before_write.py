@@ -25,7 +25,12 @@ Soundness conditions (each with the counterexample the finder refuses)
   contiguous; ``w'`` is laid out as its op lays a result out): checked by running each reader, and the
   views down from it, on the fake values (:func:`~memplan.passes._rewrite.region.runs_on`).
 * ``w`` writes its first argument only, and ``op`` is its out-of-place overload (``mul_.Tensor`` ->
-  ``mul.Tensor``), with the same arguments; the copy is a plain ``clone`` of ``v`` itself.
+  ``mul.Tensor``), with the same arguments, giving the same dtype and shape. Counterexample: a
+  bfloat16 ``v.mul_(w)`` with a float32 ``w`` keeps bfloat16; ``v.mul(w)`` is float32.
+* What derives from ``w``'s result stays within ``v``'s elements: it will alias ``w'``. Counterexample:
+  an ``as_strided`` of the result that reaches the rest of the storage.
+* The copy is a plain ``clone`` of ``v`` itself; ``v``'s storage is not an input or a parameter (the
+  caller sees a write into it).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from memplan.capture import CapturedGraph, Phase
 from memplan.opschema import is_pure_view, mutated_args
 from memplan.passes._chunk.graphs import fake_call, fake_mode_of, refresh_aliases, same_layouts
 from memplan.passes._rewrite.region import forward_nodes, runs_on
-from memplan.pipeline import elements_overlap
+from memplan.pipeline import element_span, elements_overlap
 
 __all__ = ["SavedBeforeWrite", "find_saved_before_write", "apply_saved_before_write"]
 
@@ -108,11 +113,23 @@ def find_saved_before_write(graph: CapturedGraph) -> list[SavedBeforeWrite]:
         if not _keeps_values(sid, value.meta.get("val"), position[clone.name], at, chain, tensors, by_name, position):
             continue
         new = fake_call(_out_of_place(write), write.args, write.kwargs, mode)
+        was = write.meta.get("val")
+        if not (isinstance(new, torch.Tensor) and isinstance(was, torch.Tensor) and new.dtype == was.dtype
+                and new.shape == was.shape):
+            continue  # out of place, the op would promote or broadcast where in place it keeps self's
+        if not all(_within(by_name[name].meta.get("val"), value.meta.get("val")) for name in chain):
+            continue  # a view of the result reaching other elements of the storage (as_strided)
         if not all(runs_on(u, clone, value.meta["val"], mode) for u in clone.users) \
                 or not all(runs_on(u, write, new, mode) for u in write.users):
             continue
         found.append(SavedBeforeWrite(clone.name, write.name, value.name))
     return found
+
+
+def _within(view, value) -> bool:
+    """Whether every element ``view`` can touch lies within ``value``'s span (by element spans)."""
+    inner, outer = element_span(view), element_span(value)
+    return inner is not None and outer is not None and outer[0] <= inner[0] and inner[1] <= outer[1]
 
 
 def _chain(write: torch.fx.Node, sid: int, tensors: Tensors) -> set[str]:
