@@ -667,7 +667,7 @@ def test_a_write_that_would_promote_out_of_place_stays_in_place():
     class Promoting(nn.Module):
         def __init__(self):
             super().__init__()
-            self.w = nn.Parameter(torch.randn(4))
+            self.register_buffer("w", torch.randn(4))  # no gradient: the user's copy is the only one
 
         def forward(self, x):
             v = (x * 2).to(torch.bfloat16)
