@@ -4,8 +4,6 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import memplan
 from memplan.analysis.manager import AnalysisManager
@@ -595,8 +593,12 @@ def test_on_failure_is_checked():
 
 
 
-@settings(max_examples=300, deadline=None)
-@given(data=st.data())
+import hypothesis as hyp  # noqa: E402 (below the passes registered at the top, whose lines tests name)
+from hypothesis import strategies as st  # noqa: E402
+
+
+@hyp.settings(max_examples=300, deadline=None)
+@hyp.given(data=st.data())
 def test_elements_overlap_is_exact_for_strided_views(data):
     """Against the sets of element offsets, on random strided views of one storage: exact where each
     view moves along distinct strides, never 'disjoint' where they share an element otherwise."""
