@@ -25,17 +25,24 @@ eager's (up to summation order):
     the unexpanded computation. ``F.cosine_similarity(z[:, None], z[None], dim=-1)`` then never holds
     its ``(B, B, D)`` norms, quotients and product (see :class:`BroadcastProduct`).
 
-(e) **Copies saved before an in-place write.** ``c = clone(v); op_(v, ...)`` (autograd's copy of a value an
-    in-place op then overwrites; ``nn.GRUCell`` makes two a step) runs the op out of place and reads
-    ``v`` where the copy was read: the same values and bytes, and no read of a storage before a later
-    write into it, which kept the storage and the copy from being recomputed (see
-    :mod:`~memplan.passes._rewrite.saved_before_write`). Kept only if the simulated peak does not rise.
-
 (d) **Oversized results.** A result whose storage, made by its own op, is at least twice its extent
     (CPU reduced losses write the elementwise loss into the storage of their 0-d result; ``col2im`` keeps
     one as large as its input) is cloned right after it and the clone read in its place, so the large
     storage dies at once instead of when the result does (for a training loss: after the backward).
     Kept only if the simulated peak does not rise (see :class:`OversizedResult`).
+
+(e) **A vocabulary head and its cross-entropy** (:mod:`~memplan.passes._rewrite.linear_ce`):
+    ``F.cross_entropy(h @ W.T + b, y)`` (ignore_index, class weights, label smoothing, a z-loss) computed
+    in chunks of tokens or of the vocabulary, the backward recomputing each chunk's logits, so the full
+    logits, their log-softmax and their gradient never exist. It adds one matrix product: the policy
+    chooses the chunk count (or no rewrite) from each variant's simulated peak and predicted time,
+    within the pass's share of ``max_overhead``, never raising the peak.
+
+(f) **Copies saved before an in-place write.** ``c = clone(v); op_(v, ...)`` (autograd's copy of a value an
+    in-place op then overwrites; ``nn.GRUCell`` makes two a step) runs the op out of place and reads
+    ``v`` where the copy was read: the same values and bytes, and no read of a storage before a later
+    write into it, which kept the storage and the copy from being recomputed (see
+    :mod:`~memplan.passes._rewrite.saved_before_write`). Kept only if the simulated peak does not rise.
 
 Stages
 ------
@@ -47,7 +54,11 @@ Stages
         dimensions factor the product's dimensions exactly (checked by walking each dimension back
         through the view chain with the chunk pass's rules);
     (c) forward nodes reached from broadcasts through pointwise ops and reductions, in graph order, each
-        with the extents it is evaluated at; connected ones form one region.
+        with the extents it is evaluated at; connected ones form one region;
+    (e) a ``_log_softmax`` over the vocabulary of row moves of an ``mm``/``addmm``, read only by the loss
+        terms the rewrite computes; then admitted, at a chunk count, by the policy (``linear_ce.admit``);
+    (f) a forward ``clone`` of a value that an in-place op writes next, the written elements read
+        afterwards only through the op's result.
 (2)-(4) Region rewrites ((a), (b), (c) and those in their own modules under ``passes/_rewrite/``) each
     name their region, its inputs and outputs and a replacement function
     (:class:`~memplan.passes._rewrite.region.Replacement`);
@@ -111,11 +122,8 @@ from memplan.graphutil import mutated_args, packet_name
 from memplan.opschema import is_view_op
 from memplan.ops import grouped_addmm_
 from memplan.passes._chunk.graphs import copy_graph, fake_call, fake_mode_of
-from memplan.passes._rewrite.saved_before_write import (
-    SavedBeforeWrite,
-    apply_saved_before_write,
-    find_saved_before_write,
-)
+from memplan.passes._chunk.rules import Split
+from memplan.passes._rewrite.linear_ce import LinearCrossEntropy, admit, find_linear_cross_entropy
 from memplan.passes._rewrite.region import (
     Replacement,
     forward_nodes,
@@ -124,7 +132,11 @@ from memplan.passes._rewrite.region import (
     node_shape,
     replace_region,
 )
-from memplan.passes._chunk.rules import Split
+from memplan.passes._rewrite.saved_before_write import (
+    SavedBeforeWrite,
+    apply_saved_before_write,
+    find_saved_before_write,
+)
 from memplan.pipeline import PassContext, PassResult, PassStats, register_pass
 
 __all__ = ["BroadcastMatmul", "BroadcastProduct", "MatmulMax", "ScatterIntoZeros", "InterleavedSlices", "OversizedResult", "RewritePlan", "plan_rewrite", "apply_rewrite", "rewrite"]
@@ -257,7 +269,7 @@ class OversizedResult:
 
 
 Rewrite = Union[BroadcastMatmul, MatmulMax, ScatterIntoZeros, InterleavedSlices, OversizedResult, "BroadcastProduct",
-                SavedBeforeWrite]
+                SavedBeforeWrite, LinearCrossEntropy]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1091,6 +1103,7 @@ def _replace_local(graph: CapturedGraph, pattern: Rewrite, state: dict) -> bool:
 # Stage 1's finders, in the order their patterns claim nodes (a node goes to the first pattern that
 # claims it). Region rewrites first (they remove the most), backward peepholes, then oversized results.
 _FINDERS: tuple[Callable[[CapturedGraph], Sequence[Rewrite]], ...] = (
+    find_linear_cross_entropy,
     _find_broadcast_matmuls,
     _find_matmul_max,
     _find_broadcast_products,
@@ -1162,11 +1175,22 @@ def apply_rewrite(graph: CapturedGraph, plan: RewritePlan) -> tuple[CapturedGrap
 
 @register_pass("rewrite")
 def rewrite(graph: CapturedGraph, ctx: PassContext) -> PassResult:
-    """Rewrite broadcast matmuls and matmul+max regions (see the module docstring)."""
+    """Rewrite broadcast matmuls, matmul+max regions, broadcast products, vocabulary heads with their
+    cross-entropy and oversized results (see the module docstring)."""
     plan = plan_rewrite(graph)
+    # the rewrites that add time (a head's chunks recompute its product) are priced and chosen by the
+    # policy, on graphs built with them; the plan chosen is not built twice
+    built: dict[tuple[Rewrite, ...], tuple[CapturedGraph, tuple[Rewrite, ...]]] = {}
+
+    def build(patterns: Sequence[Rewrite]) -> tuple[CapturedGraph, tuple[Rewrite, ...]]:
+        if tuple(patterns) not in built:
+            built[tuple(patterns)] = apply_rewrite(graph, RewritePlan(tuple(patterns)))
+        return built[tuple(patterns)]
+
+    plan = RewritePlan(admit(graph, plan.rewrites, ctx, build))
     if not plan.rewrites:
         return PassResult(graph, changed=False, plan=plan)
-    new, done = apply_rewrite(graph, plan)
+    new, done = built[plan.rewrites] if plan.rewrites in built else apply_rewrite(graph, plan)
     if not done:
         return PassResult(graph, changed=False, plan=RewritePlan())
     before = ctx.am.get(PeakSimulation).peak

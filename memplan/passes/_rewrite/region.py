@@ -10,8 +10,9 @@ outputs from the inputs: a :class:`Replacement`. :func:`replace_region` then
     sequence number);
 (3) traces the function's forward together with its backward by ``make_fx`` over the inputs' fake
     values (the graph's own fake mode), through autograd, with sequence numbers recorded;
-(4) inlines the traced forward (phase forward) and backward (phase backward) into the joint graph,
-    points the region's readers at the new values, erases the old nodes and re-sorts stably.
+(4) inlines the traced forward (phase forward) and backward (phase backward, ordered after the last
+    gradient it reads, as autograd runs it) into the joint graph, points the region's readers at the
+    new values, erases the old nodes and re-sorts stably.
 
 It refuses (returns ``False``, the graph untouched) when the backward cannot be found or matched, when a
 region node other than an output is read outside the region and its backward, or when a gradient the
@@ -177,7 +178,9 @@ def replace_region(graph: CapturedGraph, region_names: Sequence[str], input_name
     priority = dict((n, float(i)) for n, i in order.items())
     first_fwd = min(order[n] for n in region)
     first_bwd = min((order[n] for n in members), default=len(order))
-    anchor = by_name[anchor_name]
+    # the new backward runs once every gradient it reads exists, as autograd runs a node: ops of it that
+    # read none (a recomputation) would otherwise be ordered before a late one's producers, and held
+    first_bwd = max([first_bwd] + [order[g] + 1 for gs in incoming.values() for g in gs])
     base_seq = max([s for s in graph.seq_nr.values() if s < 2**62] + [0]) + 1
     traced_seqs = sorted({n.meta["seq_nr"] for n in traced.graph.nodes if isinstance(n.meta.get("seq_nr"), int)})
     remap = {s: base_seq + i for i, s in enumerate(traced_seqs)}
