@@ -44,6 +44,12 @@ eager's (up to summation order):
     write into it, which kept the storage and the copy from being recomputed (see
     :mod:`~memplan.passes._rewrite.saved_before_write`). Kept only if the simulated peak does not rise.
 
+(g) **Attention written out.** ``softmax(q @ k^T * scale [+ bias] [masked -inf]) @ v`` over heads as
+    batch dimensions (``matmul``, ``bmm``, einsum) becomes one ``F.scaled_dot_product_attention``,
+    whose fused kernel keeps a log-sum-exp per query instead of the scores and the probabilities
+    (:mod:`~memplan.passes._rewrite.attention`, with its own conditions: no dropout in training, no
+    returned weights, masks that need no gradient).
+
 Stages
 ------
 (1) Find patterns in the forward graph, from the graph's structure only:
@@ -58,7 +64,9 @@ Stages
     (e) a ``_log_softmax`` over the vocabulary of row moves of an ``mm``/``addmm``, read only by the loss
         terms the rewrite computes; then admitted, at a chunk count, by the policy (``linear_ce.admit``);
     (f) a forward ``clone`` of a value that an in-place op writes next, the written elements read
-        afterwards only through the op's result.
+        afterwards only through the op's result;
+    (g) a softmax over the last dimension between two products (first: it takes a broadcast key
+        over heads before (a) does).
 (2)-(4) Region rewrites ((a), (b), (c) and those in their own modules under ``passes/_rewrite/``) each
     name their region, its inputs and outputs and a replacement function
     (:class:`~memplan.passes._rewrite.region.Replacement`);
@@ -123,6 +131,7 @@ from memplan.opschema import is_view_op
 from memplan.ops import grouped_addmm_
 from memplan.passes._chunk.graphs import copy_graph, fake_call, fake_mode_of
 from memplan.passes._chunk.rules import Split
+from memplan.passes._rewrite.attention import Attention, find_attention
 from memplan.passes._rewrite.linear_ce import LinearCrossEntropy, admit, find_linear_cross_entropy
 from memplan.passes._rewrite.region import (
     Replacement,
@@ -139,7 +148,7 @@ from memplan.passes._rewrite.saved_before_write import (
 )
 from memplan.pipeline import PassContext, PassResult, PassStats, register_pass
 
-__all__ = ["BroadcastMatmul", "BroadcastProduct", "MatmulMax", "ScatterIntoZeros", "InterleavedSlices", "OversizedResult", "RewritePlan", "plan_rewrite", "apply_rewrite", "rewrite"]
+__all__ = ["Attention", "BroadcastMatmul", "BroadcastProduct", "MatmulMax", "ScatterIntoZeros", "InterleavedSlices", "OversizedResult", "RewritePlan", "plan_rewrite", "apply_rewrite", "rewrite"]
 
 _VIEWS = {"view", "_unsafe_view", "reshape"}
 _CHAIN = _VIEWS | {"permute", "transpose", "t", "unsqueeze", "squeeze", "alias", "detach"}
@@ -268,8 +277,8 @@ class OversizedResult:
         return f"oversized result {self.node}: cloned out of its {self.held}-byte storage ({self.kept} bytes kept)"
 
 
-Rewrite = Union[BroadcastMatmul, MatmulMax, ScatterIntoZeros, InterleavedSlices, OversizedResult, "BroadcastProduct",
-                SavedBeforeWrite, LinearCrossEntropy]
+Rewrite = Union[Attention, BroadcastMatmul, MatmulMax, ScatterIntoZeros, InterleavedSlices, OversizedResult,
+                "BroadcastProduct", SavedBeforeWrite, LinearCrossEntropy]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1103,6 +1112,7 @@ def _replace_local(graph: CapturedGraph, pattern: Rewrite, state: dict) -> bool:
 # Stage 1's finders, in the order their patterns claim nodes (a node goes to the first pattern that
 # claims it). Region rewrites first (they remove the most), backward peepholes, then oversized results.
 _FINDERS: tuple[Callable[[CapturedGraph], Sequence[Rewrite]], ...] = (
+    find_attention,
     find_linear_cross_entropy,
     _find_broadcast_matmuls,
     _find_matmul_max,
@@ -1146,6 +1156,7 @@ def apply_rewrite(graph: CapturedGraph, plan: RewritePlan) -> tuple[CapturedGrap
     state = {"phases": dict(graph.phases), "sources": dict(graph.sources), "seq_nr": dict(graph.seq_nr),
              "outputs": graph.outputs}
     done: list[Rewrite] = []
+    live = {n.name for n in graph.gm.graph.nodes}
     for pattern in plan.rewrites:
         if isinstance(pattern, (OversizedResult, SavedBeforeWrite)):
             continue  # last, on the graph the other rewrites leave
@@ -1154,9 +1165,15 @@ def apply_rewrite(graph: CapturedGraph, plan: RewritePlan) -> tuple[CapturedGrap
             if _replace_local(current, pattern, state):
                 done.append(pattern)
             continue
-        r = pattern.replacement(graph)
+        try:
+            r = pattern.replacement(graph)
+        except KeyError:
+            continue  # it reads a node an earlier rewrite replaced (an attention's output, erased)
+        if any(name not in live for name in r.inputs):
+            continue
         if replace_region(current, r.region, r.inputs, r.outputs, r.fn, r.anchor, state):
             done.append(pattern)
+            live = {n.name for n in graph.gm.graph.nodes}
     done += _write_out_of_place(graph, [p for p in plan.rewrites if isinstance(p, SavedBeforeWrite)], state)
     done += _clone_oversized(graph, [p for p in plan.rewrites if isinstance(p, OversizedResult)], state)
     graph.gm.recompile()
@@ -1175,8 +1192,9 @@ def apply_rewrite(graph: CapturedGraph, plan: RewritePlan) -> tuple[CapturedGrap
 
 @register_pass("rewrite")
 def rewrite(graph: CapturedGraph, ctx: PassContext) -> PassResult:
-    """Rewrite broadcast matmuls, matmul+max regions, broadcast products, vocabulary heads with their
-    cross-entropy and oversized results (see the module docstring)."""
+    """Rewrite broadcast matmuls, matmul+max regions, broadcast products, oversized results, vocabulary
+    heads with their cross-entropy, copies saved before in-place writes, and attention written out (see
+    the module docstring)."""
     plan = plan_rewrite(graph)
     # the rewrites that add time (a head's chunks recompute its product) are priced and chosen by the
     # policy, on graphs built with them; the plan chosen is not built twice

@@ -103,12 +103,37 @@ def match_gradients(graph, region, inputs, outputs, backward):
         d = graph.node(name)
         options = [i for i, x in enumerate(inputs) if node_shape(x) == node_shape(d) and node_dtype(x) == node_dtype(d)]
         if len(options) > 1:
+            # the input whose chain holds the op whose backward made the gradient; when none or several,
+            # or when the gradient is an accumulation (whose number is stale), the input read by that op
+            # or by those it reads
+            number = seq.get(d.name)
+            exact = [i for i in options if number is not None and number in _chain_seqs(inputs[i], region_set, seq)]
+            accumulation = d.target is torch.ops.aten.add.Tensor
             seqs = {seq.get(d.name)} | {seq.get(a.name) for a in d.all_input_nodes if a.name in members}
-            options = [i for i in options if any(seq.get(u.name) in seqs for u in inputs[i].users if u.name in region_set)]
+            options = exact if len(exact) == 1 and not accumulation else \
+                [i for i in options if any(seq.get(u.name) in seqs for u in inputs[i].users if u.name in region_set)]
         if len(options) != 1 or options[0] in produced:
             return None
         produced[options[0]] = d
     return incoming, produced
+
+
+def _chain_seqs(x: torch.fx.Node, region: set[str], seq: dict[str, int]) -> set[int | None]:
+    """Sequence numbers of the region ops that read ``x`` and of the ops that follow them while each
+    reads one tensor (views, copies, scales: their backward hands the gradient on to ``x``), up to and
+    including the first that reads more. Only ``x``'s gradient is made by such a chain's backward
+    (``expand`` of ``q`` to its own shape has none, and the ``view`` after it makes ``q``'s)."""
+    found: set[int | None] = set()
+    stack, seen = [u for u in x.users if u.name in region], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        found.add(seq.get(node.name))
+        if len(node.all_input_nodes) == 1:
+            stack.extend(u for u in node.users if u.name in region)
+    return found
 
 
 def trace_joint(fn, input_values, needs_grad, grad_values):
