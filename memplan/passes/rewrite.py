@@ -1010,30 +1010,24 @@ def _broadcast_product_fn(pattern: BroadcastProduct, graph: CapturedGraph) -> Ca
 # plan and apply
 
 
-def _write_out_of_place(graph: CapturedGraph, patterns: Sequence[SavedBeforeWrite], state: dict) -> list[SavedBeforeWrite]:
+def _write_out_of_place(graph: CapturedGraph, patterns: Sequence[SavedBeforeWrite], state: dict) -> list[SavedBeforeWrite] | None:
     """Run each in-place write whose input autograd copied first out of place (see
-    :mod:`~memplan.passes._rewrite.saved_before_write`), when that does not raise the graph's simulated
-    peak: the storage the copy's readers now read may live longer than the copy did. Tried on a copy
-    of the graph first, so a refusal leaves the graph as it was."""
+    :mod:`~memplan.passes._rewrite.saved_before_write`); the patterns applied, or None when that raised
+    the graph's simulated peak (the storage the copy's readers now read may live longer than the copy
+    did), the graph then edited: the caller starts again without them."""
     live = {n.name for n in graph.gm.graph.nodes}
     patterns = [p for p in patterns if {p.clone, p.write, p.value} <= live]  # not erased by a region rewrite
     if not patterns:
         return []
 
-    def current(of: CapturedGraph, at: dict) -> CapturedGraph:
-        return dataclasses.replace(of, phases=dict(at["phases"]), sources=dict(at["sources"]),
-                                   seq_nr=dict(at["seq_nr"]), outputs=at["outputs"])
+    def current() -> CapturedGraph:
+        return dataclasses.replace(graph, phases=dict(state["phases"]), sources=dict(state["sources"]),
+                                   seq_nr=dict(state["seq_nr"]), outputs=state["outputs"])
 
-    before = AnalysisManager(current(graph, state)).get(PeakSimulation).peak
-    trial = copy_graph(current(graph, state))
-    trial_state = {"phases": dict(state["phases"]), "sources": dict(state["sources"]),
-                   "seq_nr": dict(state["seq_nr"]), "outputs": state["outputs"]}
-    for pattern in patterns:
-        apply_saved_before_write(trial, pattern, trial_state)
-    if AnalysisManager(current(trial, trial_state)).get(PeakSimulation).peak > before:
-        return []
-    for pattern in patterns:
-        apply_saved_before_write(current(graph, state), pattern, state)
+    before = AnalysisManager(current()).get(PeakSimulation).peak
+    apply_saved_before_write(current(), patterns, state)
+    if AnalysisManager(current()).get(PeakSimulation).peak > before:
+        return None
     return list(patterns)
 
 
@@ -1152,7 +1146,7 @@ def apply_rewrite(graph: CapturedGraph, plan: RewritePlan) -> tuple[CapturedGrap
     """Stages 2-4: a new graph with the plan's rewrites applied, and the rewrites that applied."""
     if not plan.rewrites:
         return graph, ()
-    graph = copy_graph(graph)
+    original, graph = graph, copy_graph(graph)
     state = {"phases": dict(graph.phases), "sources": dict(graph.sources), "seq_nr": dict(graph.seq_nr),
              "outputs": graph.outputs}
     done: list[Rewrite] = []
@@ -1174,7 +1168,10 @@ def apply_rewrite(graph: CapturedGraph, plan: RewritePlan) -> tuple[CapturedGrap
         if replace_region(current, r.region, r.inputs, r.outputs, r.fn, r.anchor, state):
             done.append(pattern)
             live = {n.name for n in graph.gm.graph.nodes}
-    done += _write_out_of_place(graph, [p for p in plan.rewrites if isinstance(p, SavedBeforeWrite)], state)
+    applied = _write_out_of_place(graph, [p for p in plan.rewrites if isinstance(p, SavedBeforeWrite)], state)
+    if applied is None:  # they raised the peak: the plan without them, on a fresh copy
+        return apply_rewrite(original, RewritePlan(tuple(p for p in plan.rewrites if not isinstance(p, SavedBeforeWrite))))
+    done += applied
     done += _clone_oversized(graph, [p for p in plan.rewrites if isinstance(p, OversizedResult)], state)
     graph.gm.recompile()
     live = {n.name for n in graph.gm.graph.nodes}

@@ -11,7 +11,8 @@ from torch import nn
 
 import memplan
 import memplan.examples as examples
-from memplan.analysis.peak import step_margin
+from memplan.analysis.manager import AnalysisManager
+from memplan.analysis.peak import PeakSimulation, step_margin
 from memplan.capture import Phase, capture
 from memplan.graphutil import packet_name
 from memplan.measure import measure
@@ -678,3 +679,19 @@ def test_a_write_that_would_promote_out_of_place_stays_in_place():
     x = torch.randn(3, 4, requires_grad=True)
     graph = dataclasses.replace(capture(Promoting(), x), lifetimes="graph")
     assert not _saved_before_write(graph)
+
+
+def test_copies_kept_where_running_the_writes_out_of_place_raises_the_peak():
+    # under eager lifetimes (the model as written, its Python holding what it holds) the gate buffers the
+    # copies' readers now read outlive the copies: the rewrites are refused and the graph keeps its copies
+    from memplan.passes._rewrite.saved_before_write import SavedBeforeWrite
+
+    model = GatesWrittenInPlace()
+    xs, h = torch.randn(3, 2, 6, requires_grad=True), torch.randn(2, 5, requires_grad=True)
+    graph = capture(model, xs, h)
+    plan = plan_rewrite(graph)
+    assert any(isinstance(r, SavedBeforeWrite) for r in plan.rewrites)
+    new, done = apply_rewrite(graph, plan)
+    assert not any(isinstance(r, SavedBeforeWrite) for r in done)
+    assert new.gm.graph.find_nodes(op="call_function", target=torch.ops.aten.clone.default)
+    assert AnalysisManager(new).get(PeakSimulation).peak <= AnalysisManager(graph).get(PeakSimulation).peak

@@ -36,6 +36,7 @@ Soundness conditions (each with the counterexample the finder refuses)
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 import torch.fx
@@ -175,21 +176,26 @@ def _keeps_values(sid: int, value: torch.Tensor, copied: int, written: int, chai
     return True
 
 
-def apply_saved_before_write(graph: CapturedGraph, pattern: SavedBeforeWrite, state: dict) -> bool:
-    """Run ``write`` out of place and read ``value`` where the copy was read (in place on ``graph.gm``).
+def apply_saved_before_write(graph: CapturedGraph, patterns: Sequence[SavedBeforeWrite], state: dict) -> None:
+    """Run each pattern's ``write`` out of place and read its ``value`` where the copy was read (in place
+    on ``graph.gm``).
 
-    The write node itself becomes the out-of-place op (same name, same readers): what reads it now reads
-    a fresh tensor, and its views are given fake values that alias it."""
+    A write node itself becomes the out-of-place op (same name, same readers): what reads it now reads a
+    fresh tensor, and the views downstream are given fake values that alias it, in one walk of the graph
+    for all the patterns."""
     gm = graph.gm
-    write, clone, value = graph.node(pattern.write), graph.node(pattern.clone), graph.node(pattern.value)
     mode = fake_mode_of(gm.graph)
-    old = write.meta.get("val")
-    write.target = _out_of_place(write)
-    write.meta["val"] = fake_call(write.target, write.args, write.kwargs, mode)
-    clone.replace_all_uses_with(value)
-    gm.graph.erase_node(clone)
-    for key in ("phases", "sources", "seq_nr"):
-        state[key].pop(pattern.clone, None)
-    relaid = [] if same_layouts(old, write.meta["val"]) else [write]
-    refresh_aliases(gm.graph, [write, value], mode, relaid=relaid)
-    return True
+    starts, relaid = [], []
+    for pattern in patterns:
+        write, clone, value = graph.node(pattern.write), graph.node(pattern.clone), graph.node(pattern.value)
+        old = write.meta.get("val")
+        write.target = _out_of_place(write)
+        write.meta["val"] = fake_call(write.target, write.args, write.kwargs, mode)
+        clone.replace_all_uses_with(value)
+        gm.graph.erase_node(clone)
+        for key in ("phases", "sources", "seq_nr"):
+            state[key].pop(pattern.clone, None)
+        starts += [write, value]
+        if not same_layouts(old, write.meta["val"]):
+            relaid.append(write)
+    refresh_aliases(gm.graph, starts, mode, relaid=relaid)
