@@ -42,26 +42,30 @@ def model_of(graph) -> MemoryModel:
     return AnalysisManager(graph).get(MemoryModel)
 
 
-def walked(graph) -> list[int]:
-    """The oracle: bytes live right after each node allocates, by walking every storage and position
-    in Python (allocate at the creator, free after the interval's end, external never counted)."""
-    am = AnalysisManager(graph)
-    tensors, liveness = am.get(Tensors), am.get(Liveness)
-    born = [0] * liveness.end
-    dies = [0] * liveness.end
-    for sid, storage in tensors.storages.items():
-        if storage.external:
-            continue
-        interval = liveness.intervals[sid]
-        born[interval.start] += storage.nbytes
-        if interval.end < liveness.end:
-            dies[interval.end] += storage.nbytes
+def walk(end: int, intervals) -> list[int]:
+    """Bytes live right after each position allocates, from ``(start, stop, nbytes)`` intervals (``stop
+    == end``: never freed), walked in Python."""
+    born = [0] * end
+    dies = [0] * end
+    for start, stop, nbytes in intervals:
+        born[start] += nbytes
+        if stop < end:
+            dies[stop] += nbytes
     live, timeline = 0, []
     for allocated, freed in zip(born, dies):
         live += allocated
         timeline.append(live)
         live -= freed
     return timeline
+
+
+def walked(graph) -> list[int]:
+    """The oracle: bytes live right after each node allocates, by walking every storage and position
+    in Python (allocate at the creator, free after the interval's end, external never counted)."""
+    am = AnalysisManager(graph)
+    tensors, liveness = am.get(Tensors), am.get(Liveness)
+    return walk(liveness.end, [(liveness.intervals[sid].start, liveness.intervals[sid].end, storage.nbytes)
+                               for sid, storage in tensors.storages.items() if not storage.external])
 
 
 def check_base(graph):
@@ -173,21 +177,10 @@ def test_with_sizes_refuses_external_storages_and_negative_sizes():
 
 def intervals_walked(model, dropped, added) -> list[int]:
     """The oracle: every kept storage's interval and every added one walked in Python."""
-    end = model.end
-    born, dies = [0] * end, [0] * end
     gone = set(dropped)
     rows = [(int(a), int(b), int(n)) for sid, a, b, n in zip(model.storage, model.start, model.stop, model.nbytes)
             if int(sid) not in gone]
-    for start, stop, nbytes in rows + list(added):
-        born[start] += nbytes
-        if stop < end:
-            dies[stop] += nbytes
-    live, timeline = 0, []
-    for allocated, freed in zip(born, dies):
-        live += allocated
-        timeline.append(live)
-        live -= freed
-    return timeline
+    return walk(model.end, rows + list(added))
 
 
 def check_intervals(graph, seed):
