@@ -20,6 +20,7 @@ from memplan.errors import (
     MemplanError,
     PassError,
     PassRolledBackWarning,
+    TargetDeviceError,
     UnsupportedInputError,
     UnsupportedNodeError,
     VerificationWarning,
@@ -48,5 +49,6 @@ __all__ = [
     "InfeasibleBudgetError",
     "PassError",
     "PassRolledBackWarning",
+    "TargetDeviceError",
     "VerificationWarning",
 ]

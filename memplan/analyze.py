@@ -13,15 +13,18 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
+from memplan.analysis.allocator import AllocatorModel, allocator_for
 from memplan.analysis.autograd import SavedForBackward
 from memplan.analysis.explain import Explanation, explain_peak
 from memplan.analysis.liveness import Liveness
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation, SimEvent
 from memplan.analysis.tensors import Tensors, parameter_bytes
-from memplan.capture import CapturedGraph, capture
+from memplan.capture import CapturedGraph, Phase, capture, on_target
+from memplan.graphutil import graph_device
 from memplan.measure import format_bytes
 from memplan.report.data import build_report
 
@@ -48,20 +51,50 @@ class MemoryAnalysis:
         return self.simulation.timeline
 
     @property
-    def saved_for_backward(self) -> dict[str, int]:
-        """Forward node name -> bytes it keeps for the backward."""
-        return {s.node: s.nbytes for s in self.saved.saved.values()}
+    def device(self) -> torch.device:
+        """The device the prediction is for (where the graph's tensors are, or will be: see
+        :attr:`memplan.capture.CapturedGraph.target_device`)."""
+        return self.graph.target_device or graph_device(self.graph)
+
+    @property
+    def allocator(self) -> AllocatorModel:
+        """How the device's allocator charges each allocation (:mod:`memplan.analysis.allocator`)."""
+        return allocator_for(self.device)
+
+    @property
+    def resident(self) -> int:
+        """Bytes that exist before the call, as the device's allocator holds them: the parameters, buffers
+        and tensor inputs the graph reads (not the gradients of the outputs a graph seeded with tangents
+        takes: a step makes those)."""
+        storages = {sid for spec in self.graph.inputs if spec.kind in ("parameter", "buffer", "input")
+                    for sid in self.tensors.storages_of(spec.node)}
+        return sum(self.tensors.storages[sid].nbytes for sid in storages)
+
+    @property
+    def workspace(self) -> int:
+        """Bytes of library workspaces the device keeps once the call has run: on CUDA, a cuBLAS workspace
+        for the forward's thread and one for the backward's (autograd's), each where it multiplies
+        matrices (:mod:`memplan.analysis.allocator`); none on the CPU. A process's first call allocates
+        them; they are not part of :attr:`peak`."""
+        threads: dict[Phase, set[str]] = {Phase.FORWARD: set(), Phase.BACKWARD: set()}
+        for node in self.graph.gm.graph.nodes:
+            if node.op == "call_function" and hasattr(node.target, "overloadpacket"):
+                threads[self.graph.phases.get(node.name, Phase.FORWARD)].add(node.target.overloadpacket.__name__)
+        return self.allocator.workspace(*threads.values())
 
     @classmethod
     def from_graph(cls, graph: CapturedGraph, am: AnalysisManager | None = None) -> "MemoryAnalysis":
+        """The analysis of ``graph`` (whose values should be where they run: see :func:`memplan.capture.on_target`)."""
         am = am or AnalysisManager(graph)
         return cls(graph, am.get(Tensors), am.get(Liveness), am.get(SavedForBackward), am.get(PeakSimulation))
 
     def __repr__(self) -> str:
         mode = "training" if self.graph.training else "inference"
         n = sum(1 for _ in self.graph.gm.graph.nodes)
+        device = self.device
+        on = "" if device.type == "cpu" else f" on {device}"
         return (
-            f"MemoryAnalysis({mode}, {n} nodes, predicted peak {format_bytes(self.peak)}, "
+            f"MemoryAnalysis({mode}, {n} nodes, predicted peak {format_bytes(self.peak)}{on}, "
             f"saved for backward {format_bytes(self.saved.nbytes)})"
         )
 
@@ -94,12 +127,20 @@ class MemoryAnalysis:
 
 
 def analyze(
-    model: nn.Module | Callable[..., Any], *inputs: Any, train: bool | None = None, **kwargs: Any
+    model: nn.Module | Callable[..., Any], *inputs: Any, train: bool | None = None,
+    device: torch.device | str | None = None, **kwargs: Any
 ) -> MemoryAnalysis:
     """Predict where memory goes in one call of ``model(*inputs)``, without running it for real.
 
     Training mode (the default when something requires grad) covers forward and the backward of
     ``sum(out.sum())``, exactly ``model(*inputs).sum().backward()``.
+
+    ``device``: predict for this device (``"cuda"``) wherever the model and inputs are, on a machine without
+    a GPU too: the graph's tensors are fake ones on that device, and on CUDA every allocation is charged
+    as PyTorch's caching allocator charges it (:mod:`memplan.analysis.allocator`); see
+    :mod:`memplan._capture.target` for what a CPU-only build plans as CUDA runs it and what it refuses.
+    None: the device the tensors are on. (A model's own keyword argument named ``device`` cannot be passed
+    through ``analyze``: bind it first, with ``functools.partial``.)
 
     Examples
     --------
@@ -107,5 +148,8 @@ def analyze(
     >>> a = analyze(torch.nn.Linear(256, 256), torch.randn(64, 256), train=False)
     >>> a.peak  # the (64, 256) float32 output
     65536
+    >>> # for CUDA, on any machine: the 3000-byte output in 512-byte blocks
+    >>> analyze(torch.nn.Linear(256, 250), torch.randn(3, 256), train=False, device="cuda").peak
+    3072
     """
-    return MemoryAnalysis.from_graph(capture(model, *inputs, train=train, **kwargs))
+    return MemoryAnalysis.from_graph(on_target(capture(model, *inputs, train=train, target_device=device, **kwargs)))

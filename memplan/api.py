@@ -29,15 +29,16 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from memplan._capture.target import resolve_target
 from memplan.analysis.cost import CostRates
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation
 from memplan.analysis.tensors import Tensors, parameter_bytes
-from memplan.capture import TRACING, CapturedGraph, capture, check_leaves, is_static_leaf, leaf_paths
+from memplan.capture import TRACING, CapturedGraph, capture, check_leaves, is_static_leaf, leaf_paths, on_target
 from memplan.emit import Emitted, emit, run_inference, run_training
-from memplan.errors import CaptureError, UnsupportedInputError
+from memplan.errors import CaptureError, TargetDeviceError, UnsupportedInputError
 from memplan.measure import format_bytes
-from memplan.graphutil import copy_graph, mutated_args
+from memplan.graphutil import copy_graph, graph_device, mutated_args
 from memplan.pipeline import PassManager, PassRecord, check_options, user_stacklevel
 from memplan.policy import Policy
 from memplan.verify import check_first_call, first_run_failure
@@ -103,6 +104,11 @@ class Plan:
     @property
     def code(self) -> str:
         return self.emitted.code
+
+    @property
+    def device(self) -> torch.device:
+        """The device the plan's tensors are on (its code makes them there)."""
+        return graph_device(self.original)
 
     @property
     def overhead(self) -> float:
@@ -327,8 +333,10 @@ class OptimizedModule(nn.Module):
         max_plans: int = MAX_PLANS,
         verify: bool = False,
         rates: CostRates | str | None = None,
+        device: torch.device | str | None = None,
     ):
         super().__init__()
+        target = resolve_target(device)  # an unknown device is refused here, before any call
         if fallback not in (None, "eager"):
             raise ValueError(f'fallback must be None or "eager", not {fallback!r}')
         if isinstance(max_plans, bool) or not isinstance(max_plans, int) or max_plans < 1:
@@ -342,6 +350,9 @@ class OptimizedModule(nn.Module):
         self.fallback = fallback
         self.options = dict(options or {})
         self.rates = rates
+        #: The device plans are made for (None: where each call's tensors are); see :func:`optimize`. (Not
+        #: ``device``: a model's own ``.device``, which many have, reads through this module.)
+        self.target_device = target.device if target is not None else None
         self.max_plans = max_plans
         # check each signature's first call against eager (memplan.verify); private, not to hide a `verify`
         # of the model's, which reads through this module
@@ -383,6 +394,7 @@ class OptimizedModule(nn.Module):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("max_plans", MAX_PLANS)
+        self.__dict__.setdefault("target_device", None)
         self._lock = threading.RLock()
 
     @property
@@ -431,7 +443,7 @@ class OptimizedModule(nn.Module):
     def _build_plan_unpaused(self, args: tuple, kwargs: dict, passes: tuple[str, ...]) -> Plan:
         start = time.perf_counter()
         original = self.original
-        graph = capture(original, *args, seed="tangents", **kwargs)
+        graph = capture(original, *args, seed="tangents", target_device=self.target_device, **kwargs)
         captured = AnalysisManager(graph)
         _check_mutations(graph, captured)
         eager_peak = captured.get(PeakSimulation).peak
@@ -442,7 +454,10 @@ class OptimizedModule(nn.Module):
         # The pipeline hands over the analyses of its last graph (computing them again took seconds).
         analyses = result.graph_analyses()
         planned_peak = analyses.get(PeakSimulation).peak
-        emitted = emit(result.graph)
+        # A plan for a device traced on a stand-in (CUDA without a GPU) has its values moved there now, after
+        # the passes, whose own traces run autograd over the values: its code makes its tensors there.
+        planned, graph = on_target(result.graph), on_target(graph)
+        emitted = emit(planned)
         tensors = analyses.get(Tensors)
         saved_storages = {sid for name in emitted.saved for sid in tensors.storages_of(name) if not tensors.storages[sid].external}
         saved_bytes = sum(tensors.storages[sid].nbytes for sid in saved_storages)
@@ -456,7 +471,7 @@ class OptimizedModule(nn.Module):
             saved_bytes=saved_bytes,
             plan_seconds=time.perf_counter() - start,
             emitted=emitted,
-            graph=result.graph,
+            graph=planned,
             original=graph,
             eager_time=result.eager_time,
             plan_time=result.plan_time,
@@ -464,9 +479,63 @@ class OptimizedModule(nn.Module):
 
     # -- running ----------------------------------------------------------------------------------
 
+    def plan_for(self, *args: Any, **kwargs: Any) -> Plan:
+        """The plan of the call ``self(*args, **kwargs)``, made (or found) without running anything: capture,
+        the passes and the emitted code, for the module's ``target_device``. It is kept, and is :attr:`plan`
+        after.
+
+        With ``optimize(model, device="cuda")`` this plans for a GPU on a machine without one: the model
+        and inputs may be on the CPU or the meta device; read the plan (``planned_peak``, ``code``,
+        ``report()``), since it runs only on the device it was made for. Planning errors are raised
+        whatever ``fallback`` says, and ``verify`` does not apply (nothing runs).
+
+        Examples
+        --------
+        >>> opt = optimize(torch.nn.Linear(4, 2), device="cuda")  # on any machine
+        >>> plan = opt.plan_for(torch.randn(3, 4))
+        >>> plan.device, plan.planned_peak % 512  # CUDA's allocator hands out 512-byte blocks
+        (device(type='cuda', index=0), 0)
+        """
+        original = self.original
+        leaves, spec = _flatten_call(args, kwargs)
+        with _PLANNING, self._lock:
+            walk = _Walk.of(original) if isinstance(original, nn.Module) else None
+            try:
+                key = (_signature(original, leaves, spec, walk), "planned, not run", self.target_device)
+            except RuntimeError:  # a tensor without sizes or strides (sparse, nested): the check names it
+                check_leaves(leaves, leaf_paths((args, kwargs)))
+                raise
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._build_plan(args, kwargs)
+                self._keep(key, plan)
+            else:
+                self._plans.move_to_end(key)
+            self._last = plan
+            return plan
+
+    def _check_on_device(self, original: Any, leaves: Sequence[Any], call: tuple[tuple, dict]) -> None:
+        """Raise :class:`TargetDeviceError` when a tensor of the call, or a parameter or buffer of the model, is
+        not on the device the module plans for."""
+        device = self.target_device
+        found = [(path, leaf.device) for path, leaf in zip(leaf_paths(call), leaves)
+                 if isinstance(leaf, torch.Tensor) and leaf.device != device]
+        if isinstance(original, nn.Module) and not found:
+            members = [*original.named_parameters(), *original.named_buffers()]
+            found = [(name, t.device) for name, t in members if t.device != device]
+        if found:
+            where, elsewhere = found[0]
+            raise TargetDeviceError(
+                f"this module plans for {device} (memplan.optimize(..., device={str(device)!r})), and its plans run "
+                f"only there; {where} is on {elsewhere}. Fix: move the model and inputs to {device} "
+                f"(model.to({str(device)!r})); to read a plan without running it (where there is no such device), "
+                "call plan_for(*inputs) instead; or optimize without device= to plan for where the tensors are.")
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         original = self.original
         leaves, spec = _flatten_call(args, kwargs)
+        if self.target_device is not None:
+            self._check_on_device(original, leaves, (args, kwargs))
         with self._lock:
             found = self._lookup(original, leaves, spec, (args, kwargs), plan=False)
         if found is None:  # a new signature: planned once, whichever threads call (see _PLANNING)
@@ -528,11 +597,15 @@ class OptimizedModule(nn.Module):
                 raise
             warnings.warn(f"memplan runs this model eagerly (fallback='eager'): {exc}", stacklevel=user_stacklevel())
             plan = None
+        self._keep(key, plan)
+        return plan
+
+    def _keep(self, key: tuple, plan: Plan | None) -> None:
+        """Keep ``plan`` under ``key``, dropping the least recently used plans beyond ``max_plans``."""
         while len(self._plans) >= self.max_plans:
             self._plans.popitem(last=False)
             self._warn_evicted()
         self._plans[key] = plan
-        return plan
 
     def _warn_evicted(self) -> None:
         """Warn, once per module, that a plan was dropped to keep ``max_plans``."""
@@ -679,6 +752,7 @@ def optimize(
     max_plans: int = MAX_PLANS,
     verify: bool = False,
     rates: CostRates | str | None = None,
+    device: torch.device | str | None = None,
 ) -> OptimizedModule:
     """Wrap ``model`` so that each call runs a memory-planned version of it.
 
@@ -715,6 +789,13 @@ def optimize(
     rates : CostRates or {"reference", "calibrated"}, optional
         The time model's rates (:func:`memplan.analysis.cost.rates_for`): None takes the environment's
         ``MEMPLAN_RATES``, else the reference rates (the same plan on every machine).
+    device : torch.device or str, optional
+        Plan for this device (``"cuda"``) wherever the model and inputs are: on a machine without a GPU,
+        ``opt.plan_for(*inputs)`` makes the plan for CUDA over fake tensors (its peaks counted as CUDA's
+        caching allocator counts them, its code making every tensor on ``cuda:0``), to read rather than run;
+        calling the module then raises :class:`~memplan.errors.TargetDeviceError` unless its tensors are on
+        that device. See :mod:`memplan._capture.target` for what is planned as CUDA runs it and what is
+        refused. None (the default): plan for the device of each call's tensors.
 
     Notes
     -----
@@ -744,5 +825,5 @@ def optimize(
     check_options(options or {})
     return OptimizedModule(
         model, policy=Policy(budget=budget, max_overhead=max_overhead), passes=names, fallback=fallback,
-        options=options, max_plans=max_plans, verify=verify, rates=rates,
+        options=options, max_plans=max_plans, verify=verify, rates=rates, device=device,
     )

@@ -70,6 +70,7 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.utils.stateless import _reparametrize_module
 
+from memplan._capture.target import Target, TargetError, resolve_target, retarget, tracing_for, watching
 from memplan._capture.tracer import GeneratorArgumentError, NotDenseError, Tracer, new_fake_mode, quiet_meta_failures
 from memplan.errors import CaptureError, UnsupportedInputError
 from memplan.opschema import is_random, is_view_op, mutated_args
@@ -87,6 +88,7 @@ __all__ = [
     "check_leaves",
     "caller_line",
     "TRACING",
+    "on_target",
     "leaf_paths",
     "STATIC_TYPES",
     "AUTOCAST_KINDS",
@@ -179,6 +181,10 @@ class CapturedGraph:
     library_sources : Mapping[str, SourceLine]
         Node name to the line of torch's beneath the user's line (the innermost frame of a public torch
         module, such as ``nn/modules/activation.py`` for ``nn.GELU``), where the op ran inside torch.
+    target_device : torch.device or None
+        Where the graph runs when it was traced on a stand-in device (a plan for CUDA made without a GPU:
+        its values are on ``meta`` until :func:`on_target` moves them there; analyses charge them as that
+        device's allocator would). None when the values are on the device they run on.
     modules : Mapping[str, str]
         Node name to the qualified name of the innermost module of the model whose call (its forward or
         a hook) ran the op: ``"encoder.layers.1.mlp.act"``, ``""`` for the model itself. Absent for an op
@@ -211,6 +217,9 @@ class CapturedGraph:
     lifetimes: str = "eager"
     library_sources: Mapping[str, SourceLine] = dataclasses.field(default_factory=dict)
     modules: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # the device the values are for, when the trace ran on a stand-in (see memplan._capture.target): values on
+    # the meta device run there, and :func:`on_target` moves them; None when the values are where they run
+    target_device: torch.device | None = None
     _by_name: dict[str, torch.fx.Node] = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -500,6 +509,7 @@ def capture(
     *args: Any,
     train: bool | None = None,
     seed: str = "sum",
+    target_device: torch.device | str | None = None,
     **kwargs: Any,
 ) -> CapturedGraph:
     """Trace ``model(*args, **kwargs)`` into a :class:`CapturedGraph` over fake tensors.
@@ -516,6 +526,13 @@ def capture(
     seed : {"sum", "tangents"}
         How backward is seeded in training mode: ``"sum"`` backpropagates ``sum(out.sum())``;
         ``"tangents"`` adds one placeholder per differentiable output holding its gradient.
+    target_device : torch.device or str, optional
+        Trace for this device (``"cuda"``) wherever the model and inputs are (the CPU, or the meta device):
+        parameters, buffers and inputs become fake tensors there, and so does every tensor the model makes
+        on their device. Without a GPU, a CUDA target is traced on a stand-in device, the graph's
+        ``target_device`` says so, and :func:`on_target` moves its values to ``cuda:0``; see
+        :mod:`memplan._capture.target` for what is planned as CUDA runs it and what is refused. None: the
+        devices the tensors are on.
 
     Raises
     ------
@@ -666,7 +683,8 @@ def capture(
     # The GraphModule is lazy: its Python code is generated when first run or read, not twice here
     # (once traced, then again after the placeholders are renamed).
     recorder = _Recorder(stop=traced_body.__code__, module_names=_module_names(model))
-    tracer = Tracer(new_fake_mode(), observer=recorder)
+    target = resolve_target(target_device)
+    tracer = Tracer(new_fake_mode(), observer=watching(target, recorder))
     recorder.graph = tracer.graph
     TRACING.acquire()  # released below, after the collector's state is put back
     gc_was_enabled = gc.isenabled()
@@ -681,8 +699,9 @@ def capture(
             quiet_meta_failures(),  # an op that fails is re-raised below, naming the user's line
             _python_random_refused(),
             _hooks_watched(model),
+            tracing_for(target),  # a stand-in trace for CUDA makes CUDA's kernel choices, or refuses
         ):
-            flat = tracer.placeholders(real_flat)
+            flat = tracer.placeholders(real_flat, device=target.trace_device if target is not None else None)
             with tracer:
                 # The list the body returns is dropped here, before the output node is made, so a tensor
                 # only it held is released after the last op; the inputs (and the gradients they hold)
@@ -703,7 +722,7 @@ def capture(
                 "type(x) is torch.Tensor): test shapes and dtypes instead, or see memplan's troubleshooting guide."
             )
             raise
-        raise _capture_error(model, exc, tracer.graph, recorder.sources) from exc
+        raise _capture_error(model, exc, tracer.graph, recorder.sources, target) from exc
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -738,8 +757,24 @@ def capture(
         broadcast_together=out_spec_box.get("broadcast_together", False),
         autocast_in_backward=autocast_in_backward,
     )
+    if target is not None and target.stand_in:  # values on the stand-in, for the target (see on_target)
+        captured = dataclasses.replace(captured, target_device=target.device)
     _refuse_random_recomputation(captured)
     return captured
+
+
+def on_target(graph: CapturedGraph) -> CapturedGraph:
+    """``graph`` with its values on the device it was captured for: where a stand-in trace left them on the
+    meta device (:attr:`CapturedGraph.target_device`), every such value and every device argument naming
+    the stand-in moves to the target, in place; ``graph`` itself otherwise.
+
+    Passes run on the stand-in graph (their own traces run autograd, which a CPU-only build cannot run
+    over CUDA tensors); a plan is moved when it is emitted, an analysis when it is made.
+    """
+    if graph.target_device is None:
+        return graph
+    retarget(graph.gm, Target(graph.target_device, torch.device("meta")))
+    return dataclasses.replace(graph, target_device=None)
 
 
 class HookEffectError(RuntimeError):
@@ -1622,7 +1657,8 @@ def _raised_by_user_code(exc: BaseException) -> bool:
     import dis
 
     tb = exc.__traceback__
-    if tb is None or isinstance(exc, (PythonRandomError, HookEffectError, GeneratorArgumentError, NotDenseError)):
+    made_by_a_trace = (PythonRandomError, HookEffectError, GeneratorArgumentError, NotDenseError, TargetError)
+    if tb is None or isinstance(exc, made_by_a_trace):
         return False
     if type(exc).__module__.startswith("torch."):  # a trace's own (a branch on a value), raised on the user's line
         return False
@@ -1640,7 +1676,7 @@ def _in_torch_function(frames: traceback.StackSummary, function: str) -> bool:
 
 
 def _capture_error(model: Any, exc: BaseException, graph: torch.fx.Graph | None = None,
-                   sources: Mapping[str, SourceLine] | None = None) -> CaptureError:
+                   sources: Mapping[str, SourceLine] | None = None, target: Target | None = None) -> CaptureError:
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
@@ -1761,6 +1797,26 @@ def _capture_error(model: Any, exc: BaseException, graph: torch.fx.Graph | None 
         return CaptureError(
             f"memplan cannot capture {name}: an op draws random numbers from a torch.Generator of its own{at}. "
             f"{_OWN_GENERATOR_FIX}"
+        )
+    if isinstance(exc, TargetError):
+        return CaptureError(f"memplan cannot plan {name} for {target.device} on this build{at_call}: {exc}")
+    stand_in = target is not None and target.stand_in
+    if stand_in and type(exc).__name__ == "FakeTensorDeviceMismatchError":
+        found = str(exc).splitlines()[0].replace(str(target.trace_device), str(target.device))
+        return CaptureError(
+            f"memplan cannot capture {name} for {target.device}: an op{at} reads tensors on two devices ({found}): "
+            f"a tensor the model makes on the CPU (torch.arange(n), torch.ones(k) without device=) meets the model's "
+            f"tensors, which are on {target.device} for this plan; eager on the GPU fails the same way. Fix: make it "
+            "on the device of the model's tensors (device=x.device), or register it as a buffer, which "
+            "model.to(device) moves."
+        )
+    if stand_in and re.search(r"not (compiled|linked) with (CUDA|support for cuda)", str(exc), re.IGNORECASE):
+        return CaptureError(
+            f"memplan cannot capture {name} for {target.device} on this CPU-only build of PyTorch: the model calls "
+            f"CUDA's runtime{at_call} ({str(exc).splitlines()[0]}), which needs a GPU: a torch.cuda function, or a "
+            "tensor made on a CUDA device by name (device='cuda'). Fix: make tensors on the device of the model's "
+            "tensors (device=x.device, x.new_zeros(...)) and keep torch.cuda calls outside the forward; or plan on "
+            "a machine with a GPU."
         )
     if type(exc).__name__ == "FakeTensorDeviceMismatchError":
         return CaptureError(

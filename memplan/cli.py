@@ -63,12 +63,20 @@ def _analyze(args: argparse.Namespace) -> int:
 
     from memplan.analysis.explain_text import torch_line
     from memplan.analyze import analyze
+    from memplan.policy import parse_bytes
 
     if args.snapshot is not None:
         _check_directory("analyze", args.snapshot)
-    name, model, inputs = load_target(args.workload, size=args.size, device=args.device)
-    result = analyze(model, *inputs, train=args.mode == "train")
+    try:
+        capacity = parse_bytes(args.capacity) if args.capacity is not None else None
+    except (TypeError, ValueError) as exc:
+        raise SystemExit(f"memplan analyze: --capacity {args.capacity!r}: {exc}") from None
+    name, build, batched = _builder(args.workload, size=args.size, device=args.device)
+    model, inputs = build()
+    train = args.mode == "train"
+    result = analyze(model, *inputs, train=train, device=args.device)
     explanation = result.explain(top=args.top)
+    report = _fit_report(model, inputs, batched, args.device, capacity, train) if capacity is not None else None
     if args.snapshot is not None:
         path = result.save_snapshot(args.snapshot)
         print(f"memory snapshot written to {path} (open it at {MEMORY_VIZ})", file=sys.stderr)
@@ -76,6 +84,7 @@ def _analyze(args: argparse.Namespace) -> int:
         payload = {
             "workload": name,
             "mode": args.mode,
+            "device": str(result.device),
             "peak": result.peak,
             "saved_for_backward": result.saved.nbytes,
             "peak_node": explanation.peak_node,
@@ -99,27 +108,73 @@ def _analyze(args: argparse.Namespace) -> int:
                 for t in explanation.tensors
             ],
         }
+        if report is not None:
+            payload["fit"] = report.as_dict()
         print(json.dumps(payload, indent=2))
     else:
         console = Console()
         console.print(repr(result))
         console.print(explanation)
+        if report is not None:
+            print("\n".join(report.lines()))
     return 0
+
+
+def _fit_report(model, inputs, batched, device: str, capacity: int, train: bool):
+    """:func:`memplan.fit.fit` of the target, and its largest batch when its factory takes ``batch``."""
+    import dataclasses
+
+    from memplan.fit import fit, largest_batch
+
+    report = fit(model, *inputs, device=device, capacity=capacity, train=train)
+    if batched is not None:
+        batch = largest_batch(batched, device=device, capacity=capacity, train=train)
+        report = dataclasses.replace(report, batch=batch)
+    return report
 
 
 def load_target(spec: str, size: str = "small", device: str = "cpu"):
     """``(name, model, inputs)`` from an example name or ``path/to/file.py:factory``.
 
     The factory is called with no arguments and returns ``(model, inputs)``, inputs a tuple of tensors.
+    For a CUDA device on a machine without one, the model and inputs are built on the meta device (they
+    are planned for CUDA over fake tensors: see :func:`memplan.analyze`), so nothing big is allocated.
     """
+    name, build, _ = _builder(spec, size=size, device=device)
+    model, inputs = build()
+    return name, model, inputs
+
+
+def _build_device(device: str) -> str:
+    """Where to build a target planned for ``device``: the meta device for CUDA without a usable GPU."""
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise SystemExit(f"memplan: unknown device {device!r}; give cpu, cuda or cuda:N") from None
+    return "meta" if kind == "cuda" and not torch.cuda.is_available() else device
+
+
+def _builder(spec: str, size: str = "small", device: str = "cpu"):
+    """``(name, build, batched)``: ``build()`` gives ``(model, inputs)``; ``batched(b)`` gives them at batch
+    size ``b`` when the factory takes a ``batch`` keyword (else None)."""
+    import contextlib
     import importlib.util
+    import inspect
     import pathlib
+
+    import torch
 
     import memplan.examples as examples
 
+    where = _build_device(device)
     if spec in examples.WORKLOADS:
-        w = examples.make(spec, size=size, device=device)
-        return w.name, w.model, w.inputs
+        def build_example():
+            w = examples.make(spec, size=size, device=where)
+            return w.model, w.inputs
+
+        return spec, build_example, None
     path, sep, attr = spec.rpartition(":")
     if not sep or not path.endswith(".py"):
         raise SystemExit(
@@ -138,13 +193,23 @@ def load_target(spec: str, size: str = "small", device: str = "cpu"):
     factory = getattr(module, attr, None)
     if factory is None:
         raise SystemExit(f"memplan: {path} has no {attr!r}; define def {attr}(): return model, (inputs, ...)")
-    made = factory()
-    if not (isinstance(made, tuple) and len(made) == 2):
-        raise SystemExit(f"memplan: {attr}() must return (model, inputs), got {type(made).__name__}")
-    model, inputs = made
-    if not isinstance(inputs, (tuple, list)):
-        inputs = (inputs,)
-    return f"{file.name}:{attr}", model, tuple(inputs)
+
+    def build(**kwargs):
+        # built on the meta device where it is planned for a device this machine lacks: nothing big is allocated
+        with torch.device(where) if where == "meta" else contextlib.nullcontext():
+            made = factory(**kwargs)
+        if not (isinstance(made, tuple) and len(made) == 2):
+            raise SystemExit(f"memplan: {attr}() must return (model, inputs), got {type(made).__name__}")
+        model, inputs = made
+        if not isinstance(inputs, (tuple, list)):
+            inputs = (inputs,)
+        return model, tuple(inputs)
+
+    try:
+        takes_batch = "batch" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        takes_batch = False
+    return f"{file.name}:{attr}", build, (lambda batch: build(batch=batch)) if takes_batch else None
 
 
 #: PyTorch's memory visualizer, which opens the snapshots ``--snapshot`` writes.
@@ -162,6 +227,7 @@ def _check_directory(command: str, path: str) -> None:
 
 
 def _report(args: argparse.Namespace) -> int:
+    import torch
     from rich.console import Console
 
     from memplan.api import optimize
@@ -172,9 +238,16 @@ def _report(args: argparse.Namespace) -> int:
     if args.snapshot is not None:
         _check_directory("report", args.snapshot)
     name, model, inputs = load_target(args.target, size=args.size, device=args.device)
-    opt = optimize(model, passes=args.passes if args.passes != "default" else None)
-    step_fn(opt, inputs, train=args.mode == "train")()
-    report = opt.report(title=f"memplan report: {name} ({args.mode})")
+    planned_only = _build_device(args.device) != args.device  # for a GPU this machine lacks: plan, do not run
+    opt = optimize(model, passes=args.passes if args.passes != "default" else None,
+                   device=args.device if planned_only else None)
+    if planned_only:
+        with torch.enable_grad() if args.mode == "train" else torch.no_grad():
+            opt.plan_for(*inputs)
+    else:
+        step_fn(opt, inputs, train=args.mode == "train")()
+    title = f"memplan report: {name} ({args.mode})" + (f", predicted for {opt.target_device}" if planned_only else "")
+    report = opt.report(title=title)
     path = report.save_html(args.out)
     plan = opt.plan
     console = Console(stderr=True)
@@ -208,10 +281,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--check", action="store_true", help="exit 1 if a prediction is off by more than 5%%")
     bench.set_defaults(func=_bench)
 
-    an = sub.add_parser("analyze", help="explain where an example workload's memory goes")
+    an = sub.add_parser("analyze", help="explain where a model's memory goes; with --capacity, whether it fits")
     an.add_argument("workload", help="an example name, or FILE.py:FACTORY where FACTORY() returns (model, inputs)")
     an.add_argument("--size", choices=("small", "full"), default="small")
-    an.add_argument("--device", default="cpu")
+    an.add_argument("--device", default="cpu",
+                    help="the device to predict for: cpu, cuda, cuda:N (on a machine without a GPU too: a prediction, "
+                         "over fake tensors, with CUDA's caching allocator modelled)")
+    an.add_argument("--capacity", metavar="BYTES", default=None,
+                    help="the device's memory (80GiB, 24GB): say whether the step fits, as written, with memplan's "
+                         "default plan and with its smallest, and the largest batch that fits when FACTORY takes batch=")
     an.add_argument("--mode", choices=("train", "infer"), default="train")
     an.add_argument("--top", type=int, default=10)
     an.add_argument("--json", action="store_true")
@@ -223,7 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("target", help="an example name, or FILE.py:FACTORY where FACTORY() returns (model, inputs)")
     rep.add_argument("--out", default="memplan-report.html")
     rep.add_argument("--size", choices=("small", "full"), default="small")
-    rep.add_argument("--device", default="cpu")
+    rep.add_argument("--device", default="cpu",
+                     help="cpu, cuda, cuda:N; cuda on a machine without a GPU plans for it over fake tensors, "
+                          "runs nothing")
     rep.add_argument("--mode", choices=("train", "infer"), default="train")
     rep.add_argument("--passes", default="default", help='pipeline to plan with ("default", "" or e.g. "remat,inplace")')
     rep.add_argument("--snapshot", metavar="PATH", default=None,

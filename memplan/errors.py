@@ -14,6 +14,7 @@ __all__ = [
     "InfeasibleBudgetError",
     "PassError",
     "HigherOrderGradientError",
+    "TargetDeviceError",
     "PassRolledBackWarning",
     "VerificationWarning",
 ]
@@ -94,3 +95,9 @@ class AutocastBackwardError(MemplanError, RuntimeError):
     """A plan's backward was called inside an autocast block, where autocast would cast some backward op
     that the plan, traced with the backward outside the block (as torch's mixed precision recipes run
     it), does not: the gradients would not be eager's."""
+
+
+class TargetDeviceError(MemplanError, RuntimeError):
+    """A module planned for another device (``memplan.optimize(model, device="cuda")``) was called with
+    tensors elsewhere: its plan's code makes and reads tensors on the device it was planned for, so it
+    does not run here (a plan for CUDA, made on a machine without a GPU, is read, not run)."""

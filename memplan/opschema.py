@@ -169,7 +169,9 @@ def is_random(node: torch.fx.Node) -> bool:
     """True for ops that draw from the RNG (their values change if they run twice).
 
     Fused attention (``scaled_dot_product_attention``'s kernels) is tagged as drawing, for its
-    dropout, but with ``dropout_p=0`` it draws nothing and runs the same every time.
+    dropout, but with ``dropout_p=0`` it draws nothing and runs the same every time. Its backward
+    (tagged too, on CUDA's memory-efficient and cuDNN kernels) draws nothing either way: it takes the
+    forward's draw as arguments (``philox_seed``, ``philox_offset``) and makes the same mask again.
 
     Examples
     --------
@@ -185,7 +187,10 @@ def is_random(node: torch.fx.Node) -> bool:
     if torch.Tag.nondeterministic_seeded not in tags:
         return False
     schema = getattr(node.target, "_schema", None)
-    for i, argument in enumerate(schema.arguments if schema is not None else ()):
+    arguments = schema.arguments if schema is not None else ()
+    if any(argument.name == "philox_seed" for argument in arguments):
+        return False  # replays the draw it is given
+    for i, argument in enumerate(arguments):
         if argument.name == "dropout_p":
             p = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", argument.default_value)
             return not (isinstance(p, (int, float)) and p == 0)

@@ -278,15 +278,23 @@ class Tracer(TorchDispatchMode):
     # ------------------------------------------------------------------------------------------
     # graph inputs and outputs
 
-    def placeholders(self, reals: Sequence[torch.Tensor]) -> list[FakeTensor]:
-        """Fake copies of ``reals``, each a graph input (named like make_fx's, ``arg0_1``...)."""
+    def placeholders(self, reals: Sequence[torch.Tensor], device: torch.device | None = None) -> list[FakeTensor]:
+        """Fake copies of ``reals``, each a graph input (named like make_fx's, ``arg0_1``...); on ``device``
+        when given, wherever the real ones are (inputs that share a storage still share one)."""
         from torch._dynamo.source import ConstantSource
 
         fakes = [self.fake_mode.from_tensor(real, source=ConstantSource(f"input{i}")) for i, real in enumerate(reals)]
+        if device is not None:
+            fakes = [fake if fake.fake_device == device else self._moved(fake, device) for fake in fakes]
         for i, fake in enumerate(fakes):
             name = f"arg{i}_1"
             self._track(fake, self._node("placeholder", name, (), {}, name), None)
         return fakes
+
+    def _moved(self, fake: FakeTensor, device: torch.device) -> FakeTensor:
+        """``fake`` on ``device``: the same storage and layout, and whether it requires grad."""
+        meta = self._meta_alias(fake).requires_grad_(fake.requires_grad)
+        return FakeTensor(self.fake_mode, meta, device)
 
     def add_placeholder(self, value: FakeTensor, target: str, seq_nr: int | None) -> torch.fx.Node:
         """One more graph input holding ``value``, placed after the other inputs."""

@@ -43,6 +43,10 @@ Stages
         retouched nodes replaced by those given;
     (d) ``with_intervals``: as (a), the dropped storages' intervals subtracted and the added ones added.
 
+Sizes a what-if invents (new sizes, added intervals, new nodes' storages) are charged as the graph's
+device's allocator charges them (:mod:`memplan.analysis.allocator`: exact bytes on the CPU, 512-byte
+blocks on CUDA), as :class:`~memplan.analysis.tensors.Tensors` charges the graph's own storages.
+
 Moving nodes and changing what they touch are modelled under graph lifetimes (a storage dies after its
 last toucher); a model of a graph with eager lifetimes refuses them. Byte counts are exact (int64). A
 what-if of no change is the base timeline, and each what-if equals the base timeline of the graph
@@ -76,10 +80,12 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from memplan.analysis.allocator import AllocatorModel, allocator_for
 from memplan.analysis.liveness import Liveness
 from memplan.analysis.manager import Analysis, AnalysisManager
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph
+from memplan.graphutil import graph_device
 
 __all__ = ["MemoryModel", "NewNode", "Timeline"]
 
@@ -132,7 +138,8 @@ class NewNode:
         Position of the node it runs just before (``end``: after every node). New nodes before the same
         node run in the order they are given.
     creates : mapping of int to int
-        Storages it allocates (ids from :attr:`MemoryModel.next_storage` on, each created once) -> bytes.
+        Storages it allocates (ids from :attr:`MemoryModel.next_storage` on, each created once) -> bytes
+        (charged as the device's allocator charges them).
     touches : tuple of int
         Storages it reads or aliases besides those it creates: ids of the graph's storages, or of
         storages an earlier new node creates.
@@ -170,6 +177,8 @@ class MemoryModel(Analysis):
     graph: CapturedGraph = dataclasses.field(repr=False)
     tensors: Tensors = dataclasses.field(repr=False)
     liveness: Liveness = dataclasses.field(repr=False)
+    # how the graph's device charges an allocation (for the sizes a what-if invents)
+    allocator: AllocatorModel = dataclasses.field(repr=False, default=allocator_for("cpu"))
 
     @property
     def end(self) -> int:
@@ -216,7 +225,7 @@ class MemoryModel(Analysis):
             after=int(born.sum() - dies.sum()), next_storage=max(tensors.storages, default=-1) + 1,
             lifetimes=graph.lifetimes, storage=storage, nbytes=nbytes, start=start, stop=stop,
             born=_frozen(born), dies=_frozen(dies), live=_frozen(live), graph=graph, tensors=tensors,
-            liveness=liveness,
+            liveness=liveness, allocator=allocator_for(graph_device(graph), graph.target_device),
         )
 
     # -- what-ifs -------------------------------------------------------------------------------
@@ -227,7 +236,7 @@ class MemoryModel(Analysis):
         Parameters
         ----------
         sizes : mapping of int to int
-            Counted storage id -> its new size in bytes.
+            Counted storage id -> its new size in bytes (charged as the device's allocator charges it).
 
         Raises
         ------
@@ -241,7 +250,7 @@ class MemoryModel(Analysis):
         new = np.fromiter(sizes.values(), dtype=np.int64, count=len(sizes))
         if np.any(new < 0):
             raise ValueError(f"storage sizes must be >= 0 bytes; got {dict(sizes)}")
-        change = new - self.nbytes[k]
+        change = self.allocator.charge_array(new) - self.nbytes[k]
         delta = np.zeros(self.end + 2, dtype=np.int64)  # stop + 1 == end + 1 for those kept to the end
         np.add.at(delta, self.start[k], change)
         np.add.at(delta, self.stop[k] + 1, -change)
@@ -256,7 +265,8 @@ class MemoryModel(Analysis):
             Counted storage ids no longer allocated where they were (each once).
         added : iterable of (start, stop, nbytes)
             Allocations of ``nbytes`` live on positions ``start..stop`` (``stop == end``: to the end); a
-            dropped storage allocated elsewhere, or a value made by a node that no longer exists.
+            dropped storage allocated elsewhere, or a value made by a node that no longer exists
+            (charged as the device's allocator charges them).
 
         Raises
         ------
@@ -273,6 +283,7 @@ class MemoryModel(Analysis):
         start, stop, size = added[:, 0], added[:, 1], added[:, 2]
         if np.any(start < 0) or np.any(start >= max(end, 1)) or np.any(stop < start) or np.any(stop > end) or np.any(size < 0):
             raise ValueError(f"intervals must satisfy 0 <= start <= stop <= {end}, start < {end}, bytes >= 0")
+        size = self.allocator.charge_array(size)
         delta = np.zeros(end + 2, dtype=np.int64)
         np.add.at(delta, self.start[k], -self.nbytes[k])
         np.add.at(delta, self.stop[k] + 1, self.nbytes[k])
@@ -367,7 +378,7 @@ class MemoryModel(Analysis):
                     raise ValueError(f"new storage id {sid}: ids start at next_storage={first_new}, each created once")
                 if nbytes < 0:
                     raise ValueError(f"new storage {sid} has {nbytes} bytes")
-                new_born[sid], new_size[sid], new_last[sid] = at, nbytes, at
+                new_born[sid], new_size[sid], new_last[sid] = at, self.allocator.charge(nbytes), at
             touch(node.touches, at)
         for position, sids in retouched.items():
             touch(sids, int(place[position]))

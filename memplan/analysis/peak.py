@@ -13,7 +13,8 @@ Stages
     storages aliased by outputs stay until the end.
 
 This is the model the ruler measures on CPU (bytes of storages allocated by dispatched ops), so the
-simulated peak of an eagerly-run graph should agree with :func:`memplan.measure` on it.
+simulated peak of an eagerly-run graph should agree with :func:`memplan.measure` on it. On CUDA each
+storage is charged as the caching allocator charges it (:mod:`memplan.analysis.allocator`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from memplan.analysis.allocator import allocator_for
 from memplan.analysis.liveness import Liveness
 from memplan.analysis.manager import Analysis, AnalysisManager
 from memplan.analysis.memory_model import MemoryModel
@@ -114,7 +116,8 @@ def step_margin(graph: CapturedGraph) -> int:
     are compared with the budget including these. A user whose loss allocates more (a cross-entropy
     over the outputs outside the model) should leave that much room in the budget: its gradients of the
     outputs are dense, and where the backward reshapes one, a dense gradient is copied where a sum's
-    broadcast one is viewed (each such copy is at most an output's size).
+    broadcast one is viewed (each such copy is at most an output's size). Each scalar is charged as its
+    device's allocator charges it (:mod:`memplan.analysis.allocator`: 512 bytes on CUDA).
 
     Examples
     --------
@@ -128,5 +131,5 @@ def step_margin(graph: CapturedGraph) -> int:
         if spec.kind == "tangent":
             value = graph.node(spec.node).meta.get("val")
             if isinstance(value, torch.Tensor):
-                margin += 2 * value.element_size()
+                margin += 2 * allocator_for(value.device, graph.target_device).charge(value.element_size())
     return margin

@@ -3,6 +3,11 @@
 Two nodes alias when their fake values share one storage (views, ``detach``, in-place results).
 Storage ids are numbered in graph order, so they are deterministic. A storage is *external* when a
 placeholder or a constant owns it: it exists before the graph runs and is never counted as allocated.
+
+A storage's ``nbytes`` is what its device's allocator charges for it
+(:func:`memplan.analysis.allocator.allocator_for`): its exact size on the CPU, its size rounded up to the
+caching allocator's 512-byte blocks on CUDA (also for the values of a graph traced for CUDA on a stand-in
+device, ``CapturedGraph.target_device``). A tensor's ``nbytes`` is the bytes its view covers.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.fx
 
+from memplan.analysis.allocator import allocator_for
 from memplan.analysis.manager import Analysis, AnalysisManager
 from memplan.capture import CapturedGraph
 
@@ -37,7 +43,8 @@ class TensorInfo(NamedTuple):
 
 
 class StorageInfo(NamedTuple):
-    """One storage: its size, who created it, and every node that aliases it (graph order).
+    """One storage: its size (as its device's allocator charges it), who created it, and every node that
+    aliases it (graph order).
 
     A named tuple, as :class:`TensorInfo`: one per storage, made at every change of the graph.
     """
@@ -93,6 +100,7 @@ class Tensors(Analysis):
         creators: dict[int, str] = {}
         external: dict[int, bool] = {}
         members: dict[int, list[str]] = {}
+        devices: dict[int, torch.device] = {}
         tensors: dict[str, tuple[TensorInfo, ...]] = {}
         for node in graph.gm.graph.nodes:
             meta = node.meta
@@ -116,6 +124,7 @@ class Tensors(Analysis):
                     creators[sid] = name
                     external[sid] = node.op in ("placeholder", "get_attr")
                     sizes[sid] = nbytes
+                    devices[sid] = device
                     members[sid] = [name]
                 else:
                     # a resize inside the graph can only grow what must be held
@@ -126,6 +135,13 @@ class Tensors(Analysis):
                         named.append(name)
                 infos.append(TensorInfo(name, index, shape, dtype, device, view_bytes, sid))
             tensors[name] = tuple(infos)
+        # What each storage's allocator charges for it: exact bytes, unless its device rounds (CUDA).
+        rounding = {device: allocator_for(device, graph.target_device) for device in set(devices.values())}
+        rounding = {device: allocator.charge for device, allocator in rounding.items() if not allocator.exact}
+        if rounding:
+            for sid, device in devices.items():
+                if device in rounding:
+                    sizes[sid] = rounding[device](sizes[sid])
         storages = {
             sid: StorageInfo(sid, sizes[sid], creators[sid], external[sid], tuple(members[sid])) for sid in sizes
         }
