@@ -1567,11 +1567,6 @@ _CLOBBERED = re.compile(r"modified by an inplace operation: \[\S+ \[([\d, ]*)\]\
                         r"is at version (\d+); expected version (\d+)")
 
 
-def _op_name(node: torch.fx.Node) -> str:
-    packet = getattr(node.target, "overloadpacket", None)
-    return packet.__name__ if packet is not None else str(node.target)
-
-
 def _op_at(node: torch.fx.Node, sources: Mapping[str, SourceLine]) -> str:
     """The op of ``node`` and the user's line that called it, when the trace recorded one."""
     line = sources.get(node.name)
