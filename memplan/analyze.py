@@ -51,6 +51,11 @@ class MemoryAnalysis:
         return self.simulation.timeline
 
     @property
+    def saved_for_backward(self) -> dict[str, int]:
+        """Forward node name -> bytes it keeps for the backward."""
+        return {s.node: s.nbytes for s in self.saved.saved.values()}
+
+    @property
     def device(self) -> torch.device:
         """The device the prediction is for (where the graph's tensors are, or will be: see
         :attr:`memplan.capture.CapturedGraph.target_device`)."""
