@@ -6,7 +6,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memplan.capture import capture
-from memplan.graphutil import copy_graph, create_node, rebuilt_value, wrap_fake
+from memplan._capture.fake import wrap_fake
+from memplan.graphutil import copy_graph, create_node, rebuilt_value
 
 
 def _state(t: FakeTensor) -> tuple:

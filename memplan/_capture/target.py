@@ -72,6 +72,8 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
+from memplan._capture.fake import wrap_fake
+
 __all__ = ["Target", "TargetError", "resolve_target", "tracing_for", "watching", "retarget", "sdp_choice"]
 
 aten = torch.ops.aten
@@ -307,7 +309,6 @@ def retarget(gm: torch.fx.GraphModule, target: Target) -> None:
         return
     stand_in, device = target.trace_device, target.device
 
-    from memplan.graphutil import wrap_fake  # graphutil imports capture, which imports this module
 
     def moved(value: Any) -> Any:
         if isinstance(value, FakeTensor):
