@@ -277,6 +277,16 @@ _HOOK_ATTRIBUTES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "
 _MODULE_ATTRIBUTES = frozenset(vars(nn.Module()))
 
 
+def _checked_signature(model: Any, leaves: Sequence[Any], spec: pytree.TreeSpec, walk: "_Walk | None",
+                       call: tuple[tuple, dict]) -> tuple:
+    """:func:`_signature` of a call, or the error that names the tensor it cannot key."""
+    try:
+        return _signature(model, leaves, spec, walk)
+    except RuntimeError:  # a tensor without sizes or strides (sparse, nested): the check names it
+        check_leaves(leaves, leaf_paths(call))
+        raise
+
+
 def _module_state_key(module: nn.Module) -> tuple:
     """What of a module the traced code may have read besides tensors, so that a plan is made again
     when it changes: its mode, its plain attribute values (``self.scale = 2.0``, ``self.residual =
@@ -500,11 +510,8 @@ class OptimizedModule(nn.Module):
         leaves, spec = _flatten_call(args, kwargs)
         with _PLANNING, self._lock:
             walk = _Walk.of(original) if isinstance(original, nn.Module) else None
-            try:
-                key = (_signature(original, leaves, spec, walk), "planned, not run", self.target_device)
-            except RuntimeError:  # a tensor without sizes or strides (sparse, nested): the check names it
-                check_leaves(leaves, leaf_paths((args, kwargs)))
-                raise
+            key = (_checked_signature(original, leaves, spec, walk, (args, kwargs)), "planned, not run",
+                   self.target_device)
             plan = self._plans.get(key)
             if plan is None:
                 plan = self._build_plan(args, kwargs)
@@ -559,11 +566,7 @@ class OptimizedModule(nn.Module):
         without a plan for its signature, one is made when ``plan`` is true, else None is returned. Called
         under the module's lock, which ``plan`` needs :data:`_PLANNING` taken before."""
         walk = _Walk.of(original) if isinstance(original, nn.Module) else None
-        try:
-            key = _signature(original, leaves, spec, walk)
-        except RuntimeError:  # a tensor without sizes or strides (sparse, nested): the check names it
-            check_leaves(leaves, leaf_paths(call))
-            raise
+        key = _checked_signature(original, leaves, spec, walk, call)
         found = self._plans.get(key, _MISSING)
         if found is _MISSING:
             if not plan:

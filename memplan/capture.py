@@ -93,7 +93,12 @@ __all__ = [
     "STATIC_TYPES",
     "AUTOCAST_KINDS",
     "autocast_off",
+    "UNORDERED_SEQ_NR",
 ]
+
+#: Sequence numbers from here up are not the forward's order: autograd numbers ``AccumulateGrad`` nodes
+#: (the ``detach`` of a leaf's gradient) with the largest ``uint64``. New numbers go above the others.
+UNORDERED_SEQ_NR = 2**62
 
 #: Held while a model is traced, so a process traces one model at a time: a trace swaps the model's
 #: parameters for fake tensors, and patches process-wide functions (Python's ``random``,
@@ -191,7 +196,9 @@ class CapturedGraph:
         outside the model's modules (the loss of the ``"sum"`` seed, a function's ops) and for nodes passes
         create.
     seq_nr : Mapping[str, int]
-        Node name to autograd sequence number (backward nodes share it with their forward op).
+        Node name to autograd sequence number (backward nodes share it with their forward op). Numbers
+        from :data:`UNORDERED_SEQ_NR` up have no place in the forward's order (autograd gives
+        ``AccumulateGrad`` the largest ``uint64``).
     inputs, outputs : tuple
         One spec per placeholder and per flat output.
     in_spec, out_spec : pytree.TreeSpec

@@ -212,20 +212,20 @@ def largest_batch(make: Callable[[int], tuple[Any, Sequence[Any]]], *, device: t
     limit = parse_bytes(capacity)
     probes = 0
 
-    def eager_fits(batch: int) -> bool:
+    def probe(batch: int):
+        """The step at ``batch``, captured, and what it needs without a plan."""
         nonlocal probes
         probes += 1
         model, inputs = make(batch)
         graph = capture_step(model, inputs, device, train)
-        needs = needs_of(graph, plans=False)
+        return graph, needs_of(graph, plans=False)
+
+    def eager_fits(batch: int) -> bool:
+        _, needs = probe(batch)
         return needs.resident + needs.workspace + needs.eager <= limit
 
     def planned_fits(batch: int) -> bool:
-        nonlocal probes
-        probes += 1
-        model, inputs = make(batch)
-        graph = capture_step(model, inputs, device, train)
-        needs = needs_of(graph, plans=False)
+        graph, needs = probe(batch)
         room = limit - needs.resident - needs.workspace
         if needs.eager <= room:
             return True

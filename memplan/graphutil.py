@@ -21,7 +21,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from memplan._capture.fake import wrap_fake
 from memplan._capture.tracer import create_node  # capture's tracer makes its nodes the same way
-from memplan.capture import CapturedGraph, Phase
+from memplan.capture import UNORDERED_SEQ_NR, CapturedGraph, Phase
 from memplan.opschema import is_pure_view, is_random, is_view_op, mutated_args
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "is_tensor",
     "nbytes",
     "graph_device",
+    "next_seq_nr",
     "packet_name",
     "is_random",
     "mutated_args",
@@ -84,6 +85,12 @@ def graph_device(graph: CapturedGraph) -> torch.device:
             if isinstance(value, torch.Tensor):
                 return value.device
     return torch.device("cpu")
+
+
+def next_seq_nr(graph: CapturedGraph) -> int:
+    """The first sequence number above every one the graph's ops are ordered by: where the numbers of
+    nodes a pass adds start (:data:`~memplan.capture.UNORDERED_SEQ_NR` and up stay out)."""
+    return max([s for s in graph.seq_nr.values() if s < UNORDERED_SEQ_NR] + [0]) + 1
 
 
 def packet_name(node: torch.fx.Node) -> str:

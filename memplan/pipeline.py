@@ -340,13 +340,13 @@ def elements_overlap(a: Any, b: Any, limit: int = 4096) -> bool:
         return True
     if a.numel() == 0 or b.numel() == 0:
         return False
-    # a stride used by several dimensions of one tensor (a broadcast view): fall back to the spans
-    strides_a = [int(s) for n, s in zip(a.shape, a.stride()) if n > 1 and s != 0]
-    strides_b = [int(s) for n, s in zip(b.shape, b.stride()) if n > 1 and s != 0]
-    if len(set(strides_a)) != len(strides_a) or len(set(strides_b)) != len(strides_b):
+    # stride -> extent of each dimension that moves; a stride used by several dimensions of one tensor
+    # (a broadcast view) falls back to the spans
+    moving_a = [(int(s), int(n)) for n, s in zip(a.shape, a.stride()) if n > 1 and s != 0]
+    moving_b = [(int(s), int(n)) for n, s in zip(b.shape, b.stride()) if n > 1 and s != 0]
+    extent_a, extent_b = dict(moving_a), dict(moving_b)
+    if len(extent_a) != len(moving_a) or len(extent_b) != len(moving_b):
         return _overlap(element_span(a), element_span(b))
-    extent_a = {int(s): int(n) for n, s in zip(a.shape, a.stride()) if n > 1 and s != 0}
-    extent_b = {int(s): int(n) for n, s in zip(b.shape, b.stride()) if n > 1 and s != 0}
     order = sorted(set(extent_a) | set(extent_b), reverse=True)
     rows = [(s, extent_a.get(s, 1), extent_b.get(s, 1)) for s in order]
     # what the dimensions from k on can still add: up to reach_a above, down to reach_b below

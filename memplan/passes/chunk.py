@@ -112,14 +112,13 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from memplan._capture.tracer import quiet_meta_failures
-from memplan.analysis.liveness import Liveness
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.memory_model import MemoryModel
 from memplan.analysis.peak import PeakSimulation
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph, Phase
 from memplan.errors import InfeasibleBudgetError
-from memplan.graphutil import is_pure_view, is_random, mutated_args, packet_name
+from memplan.graphutil import is_pure_view, is_random, mutated_args, next_seq_nr, packet_name
 from memplan.analysis.cost import REFERENCE_RATES, CostRates, graph_cost, module_cost, op_work
 from memplan.passes._chunk.graphs import (
     ALIAS_OPS,
@@ -1141,7 +1140,7 @@ def _apply_region(graph: CapturedGraph, region: ChunkRegion, compile: bool) -> _
     body = [by_name[n] for n, _ in region.backward]
     bset = set(body)
     state = {"phases": dict(graph.phases), "sources": dict(graph.sources), "seq_nr": dict(graph.seq_nr)}
-    seq = max([s for s in graph.seq_nr.values() if s < 2**62] + [0]) + 1
+    seq = next_seq_nr(graph)
     anchor = max(forward, key=lambda n: (nbytes(n), -original[n]))
     inner = {loop: {length: plan for kind, length, plan in region.inner if kind == loop} for loop in ("forward", "backward")}
     fstates = {src[n]: s for n, s in region.forward}
@@ -1467,8 +1466,7 @@ def _potential(graph: CapturedGraph, region: ChunkRegion, tensors: Tensors) -> i
     return freed - held
 
 
-def _peak_bound(graph: CapturedGraph, region: ChunkRegion, tensors: Tensors, liveness: Liveness,
-                memory: MemoryModel) -> int:
+def _peak_bound(graph: CapturedGraph, region: ChunkRegion, memory: MemoryModel) -> int:
     """A lower bound on the peak of ``graph`` with ``region`` chunked, from the graph's own analyses
     (nothing is built): the loops' scratch counts as zero.
 
@@ -1482,11 +1480,12 @@ def _peak_bound(graph: CapturedGraph, region: ChunkRegion, tensors: Tensors, liv
     a recurrence along its batch makes the backward loop read every step's input, which the untouched
     backward had dropped step by step; the bound is above the untouched peak.
 
-    The bound is ``memory``'s timeline with the storages the region makes or reads given their new
-    intervals (:meth:`~memplan.analysis.memory_model.MemoryModel.with_intervals`): under graph
+    The bound is ``memory``'s (the graph's memory model) timeline with the storages the region makes
+    or reads given their new intervals (:meth:`~memplan.analysis.memory_model.MemoryModel.with_intervals`): under graph
     lifetimes a storage that no node of the region touches keeps its interval. Under eager lifetimes
     every storage is given its interval again.
     """
+    tensors, liveness = memory.tensors, memory.liveness
     position = liveness.position
     forward = [n for n, _ in region.forward]
     body = [n for n, _ in region.backward]
@@ -1920,12 +1919,12 @@ def _plan(
         finals: dict[ChunkRegion, Callable[[], CapturedGraph]] = {}
         over_budget = policy.budget is not None and base_peak > policy.budget
         worth = base_peak if over_budget else (1.0 - opts.min_gain) * base_peak
-        tensors, liveness, memory = am.get(Tensors), am.get(Liveness), am.get(MemoryModel)
+        tensors, memory = am.get(Tensors), am.get(MemoryModel)
         hazards = None  # the graph's own in-place hazards, found once a variant is built
         # Steps 1-4 find the regions; step 5 prices the candidates of those that can pay (a peak
         # below the policy's threshold, an overhead not hopeless), building each variant once.
         for region in _regions(current, opts, tensors):
-            if _peak_bound(current, region, tensors, liveness, memory) >= worth:
+            if _peak_bound(current, region, memory) >= worth:
                 continue
             if base_cost is None:
                 base_cost = graph_cost(current, opts.rates)
@@ -1948,7 +1947,7 @@ def _plan(
             best = policy.choose(candidates)
         except InfeasibleBudgetError:
             best = min(candidates, key=lambda c: (c.peak, c.overhead, c.label))
-        best = _latest_of_equals(candidates, best, liveness.position)
+        best = _latest_of_equals(candidates, best, memory.liveness.position)
         if best.plan is None or (best.peak > (1.0 - opts.min_gain) * base_peak and not over_budget):
             break
         chosen.append(best.plan)

@@ -1010,6 +1010,12 @@ def _broadcast_product_fn(pattern: BroadcastProduct, graph: CapturedGraph) -> Ca
 # plan and apply
 
 
+def _with_state(graph: CapturedGraph, state: dict) -> CapturedGraph:
+    """``graph`` with the phases, sources, sequence numbers and outputs being edited in ``state``."""
+    return dataclasses.replace(graph, phases=dict(state["phases"]), sources=dict(state["sources"]),
+                               seq_nr=dict(state["seq_nr"]), outputs=state["outputs"])
+
+
 def _write_out_of_place(graph: CapturedGraph, patterns: Sequence[SavedBeforeWrite], state: dict) -> list[SavedBeforeWrite] | None:
     """Run each in-place write whose input autograd copied first out of place (see
     :mod:`~memplan.passes._rewrite.saved_before_write`); the patterns applied, or None when that raised
@@ -1020,13 +1026,9 @@ def _write_out_of_place(graph: CapturedGraph, patterns: Sequence[SavedBeforeWrit
     if not patterns:
         return []
 
-    def current() -> CapturedGraph:
-        return dataclasses.replace(graph, phases=dict(state["phases"]), sources=dict(state["sources"]),
-                                   seq_nr=dict(state["seq_nr"]), outputs=state["outputs"])
-
-    before = AnalysisManager(current()).get(PeakSimulation).peak
-    apply_saved_before_write(current(), patterns, state)
-    if AnalysisManager(current()).get(PeakSimulation).peak > before:
+    before = AnalysisManager(_with_state(graph, state)).get(PeakSimulation).peak
+    apply_saved_before_write(_with_state(graph, state), patterns, state)
+    if AnalysisManager(_with_state(graph, state)).get(PeakSimulation).peak > before:
         return None
     return list(patterns)
 
@@ -1034,17 +1036,13 @@ def _write_out_of_place(graph: CapturedGraph, patterns: Sequence[SavedBeforeWrit
 def _clone_oversized(graph: CapturedGraph, patterns: Sequence[OversizedResult], state: dict) -> list[OversizedResult]:
     """Clone each oversized result out of its storage (see :class:`OversizedResult`); the clones are kept
     only if they do not raise the graph's simulated peak (a clone made at the peak adds its bytes there)."""
-    def current() -> CapturedGraph:
-        return dataclasses.replace(graph, phases=dict(state["phases"]), sources=dict(state["sources"]),
-                                   seq_nr=dict(state["seq_nr"]), outputs=state["outputs"])
-
     live = {n.name: n for n in graph.gm.graph.nodes}
     patterns = [p for p in patterns if p.node in live]  # not erased by a region rewrite before
     if not patterns:
         return []
-    before, outputs = AnalysisManager(current()).get(PeakSimulation).peak, state["outputs"]
+    before, outputs = AnalysisManager(_with_state(graph, state)).get(PeakSimulation).peak, state["outputs"]
     copies = [_clone_out(graph, live[p.node], state) for p in patterns]
-    if AnalysisManager(current()).get(PeakSimulation).peak <= before:
+    if AnalysisManager(_with_state(graph, state)).get(PeakSimulation).peak <= before:
         return list(patterns)
     for pattern, copy in zip(patterns, copies):
         copy.replace_all_uses_with(live[pattern.node])
@@ -1154,7 +1152,7 @@ def apply_rewrite(graph: CapturedGraph, plan: RewritePlan) -> tuple[CapturedGrap
     for pattern in plan.rewrites:
         if isinstance(pattern, (OversizedResult, SavedBeforeWrite)):
             continue  # last, on the graph the other rewrites leave
-        current = dataclasses.replace(graph, phases=dict(state["phases"]), seq_nr=dict(state["seq_nr"]), sources=dict(state["sources"]))
+        current = _with_state(graph, state)
         if isinstance(pattern, (ScatterIntoZeros, InterleavedSlices)):
             if _replace_local(current, pattern, state):
                 done.append(pattern)

@@ -87,7 +87,7 @@ import torch.fx
 from memplan.analysis.cost import REFERENCE_RATES, CostRates
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation
-from memplan.capture import CapturedGraph, Phase
+from memplan.capture import UNORDERED_SEQ_NR, CapturedGraph, Phase
 from memplan.graphutil import packet_name
 from memplan.measure import format_bytes
 from memplan.passes._remat.copies import (
@@ -475,7 +475,7 @@ def _describe_steps(graph: CapturedGraph, loop: Loop, facts: RematFacts,
         # runs, so they are the step's range, which also holds those no forward node is tagged with (an
         # in-place op on a view is tagged with the CopySlices node made after its own, whose number its
         # backward ops carry: GRUCell's ``mul_`` on a gate slice).
-        seqs = [graph.seq_nr[n] for n in step if n in graph.seq_nr and graph.seq_nr[n] < 2**62]
+        seqs = [graph.seq_nr[n] for n in step if n in graph.seq_nr and graph.seq_nr[n] < UNORDERED_SEQ_NR]
         span = range(min(seqs), max(seqs) + 1) if seqs else range(0)
         serves.append(frozenset(b for seq in span for b in backward_by_seq.get(seq, ())))
         activation += sum(facts.nodes[n].save_bytes for n in copyable if facts.nodes[n].first_reader is not None)

@@ -804,17 +804,15 @@ def test_pruning_bounds_never_exceed_what_is_built(name, model, inputs):
     # Regions are skipped when their peak bound or overhead bound already fails the policy: both must
     # be lower bounds of every candidate the region would have produced. (In the unrolled cell, the
     # loops chunking the batch make every step's value at once: the bound counts them from there.)
-    from memplan.analysis.liveness import Liveness
-    from memplan.analysis.tensors import Tensors
     from memplan.passes import chunk as chunk_pass
     from memplan.analysis.cost import graph_cost
 
     graph, am, regions = _regions_of(model, inputs)
     options = chunk_pass.ChunkOptions()
     base_cost = graph_cost(graph, options.rates)
-    tensors, liveness, memory = am.get(Tensors), am.get(Liveness), am.get(MemoryModel)
+    memory = am.get(MemoryModel)
     for region in regions:
-        peak_bound = chunk_pass._peak_bound(graph, region, tensors, liveness, memory)
+        peak_bound = chunk_pass._peak_bound(graph, region, memory)
         for variant, sizes in chunk_pass._variants(graph, region, options):
             candidates = chunk_pass._evaluate(graph, variant, sizes, base_cost, options, Policy(max_overhead=100.0))
             fewest = -(-region.units // sizes[0])

@@ -31,7 +31,7 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from memplan.capture import CapturedGraph, Phase, _tag_backward_with_seq_nr
-from memplan.graphutil import mutated_args
+from memplan.graphutil import mutated_args, next_seq_nr
 from memplan.opschema import is_view_op
 from memplan.passes._chunk.graphs import fake_mode_of, refresh_aliases, region_backward, same_layouts, stable_toposort
 
@@ -206,7 +206,7 @@ def replace_region(graph: CapturedGraph, region_names: Sequence[str], input_name
     # the new backward runs once every gradient it reads exists, as autograd runs a node: ops of it that
     # read none (a recomputation) would otherwise be ordered before a late one's producers, and held
     first_bwd = max([first_bwd] + [order[g] + 1 for gs in incoming.values() for g in gs])
-    base_seq = max([s for s in graph.seq_nr.values() if s < 2**62] + [0]) + 1
+    base_seq = next_seq_nr(graph)
     traced_seqs = sorted({n.meta["seq_nr"] for n in traced.graph.nodes if isinstance(n.meta.get("seq_nr"), int)})
     remap = {s: base_seq + i for i, s in enumerate(traced_seqs)}
 

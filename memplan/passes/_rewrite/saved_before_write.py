@@ -97,7 +97,8 @@ def find_saved_before_write(graph: CapturedGraph) -> list[SavedBeforeWrite]:
             continue
         value = written[0]
         storages = tensors.storages_of(value.name)
-        if len(storages) != 1 or _out_of_place(write) is None:
+        op = _out_of_place(write)
+        if len(storages) != 1 or op is None:
             continue
         (sid,) = storages
         if tensors.storages[sid].external:
@@ -113,7 +114,7 @@ def find_saved_before_write(graph: CapturedGraph) -> list[SavedBeforeWrite]:
         chain = _chain(write, sid, tensors)
         if not _keeps_values(sid, value.meta.get("val"), position[clone.name], at, chain, tensors, by_name, position):
             continue
-        new = fake_call(_out_of_place(write), write.args, write.kwargs, mode)
+        new = fake_call(op, write.args, write.kwargs, mode)
         was = write.meta.get("val")
         if not (isinstance(new, torch.Tensor) and isinstance(was, torch.Tensor) and new.dtype == was.dtype
                 and new.shape == was.shape):
