@@ -580,6 +580,9 @@ class PassManager:
         # The ladder plans one graph many times, and a pass that fails on one plan fails on the others
         # alike: one reproducer per (pass, what it did wrong), and one warning.
         self._rolled_back: dict[tuple[str, str], pathlib.Path | None] = {}
+        # (pass, what it did wrong) -> why its reproducer could not be written: a failure to save must
+        # never hide the pass's own failure, nor turn a rolled-back pass into a failed plan
+        self._unsaved: dict[tuple[str, str], str] = {}
         self._warned: set[tuple[str, str]] = set()
 
     @property
@@ -723,7 +726,7 @@ class PassManager:
         # Rolling back, a failed last check runs the passes again with the check after each, which
         # names the pass to roll back: the cost falls on the run that found a broken pass.
         stepwise = self.reproducer_dir is not None
-        rates = rates_for(self.rates, graph_device(graph))
+        rates = rates_for(self.rates, graph.target_device or graph_device(graph))  # a stand-in trace: its target's
         timing = (rates, eager_seconds(pristine if pristine is not None else graph, rates))
         source = None
         if rollback or stepwise:
@@ -850,7 +853,11 @@ class PassManager:
             before = source
             rest = ",".join(p for j, p in enumerate(passes) if j not in skipped)
         where = self.reproducer_dir / f"memplan-repro-{failure.name}" if self.reproducer_dir is not None else None
-        path = save_reproducer(before, rest, where, name=failure.name)
+        try:
+            path = save_reproducer(before, rest, where, name=failure.name)
+        except Exception as exc:  # noqa: BLE001 - e.g. a graph holding an object torch.save cannot pickle
+            path = None
+            self._unsaved[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
         self._rolled_back[key] = path
         return path
 
@@ -860,6 +867,8 @@ class PassManager:
         message = f"pass {failure.name!r} {failure.what}{_where(failure)}. Passes run before it: {before}."
         if path is not None:
             message += f" Reproducer saved to {path}; replay it with memplan.pipeline.replay({str(path)!r})."
+        elif (failure.name, failure.what) in self._unsaved:
+            message += f" Its reproducer could not be saved ({self._unsaved[failure.name, failure.what]})."
         else:
             message += " Pass reproducer_dir= to save a reproducer."
         return PassError(message)
@@ -875,6 +884,8 @@ class PassManager:
             f"without that pass's change, so it may use more memory than it would with it (passes run before "
             f"it: {_ran_before(failure, passes, skipped)}). "
             + (f"Reproducer saved to {path}; replay it with memplan.pipeline.replay({str(path)!r}). " if path else "")
+            + (f"Its reproducer could not be saved ({self._unsaved[failure.name, failure.what]}). "
+               if (failure.name, failure.what) in self._unsaved else "")
             + "This is a bug in the pass: please report it with the reproducer."
         )
         warnings.warn(

@@ -540,6 +540,26 @@ def test_a_pass_that_raises_after_editing_its_graph_is_rolled_back_to_the_graph_
     assert isinstance(info.value.__cause__, KeyError)
 
 
+def test_a_reproducer_that_cannot_be_saved_neither_hides_the_failure_nor_fails_the_plan(temporary_dir, monkeypatch):
+    import memplan.pipeline as pipeline
+    from memplan.errors import PassRolledBackWarning
+
+    def unpicklable(*args, **kwargs):
+        raise RuntimeError("<object at 0x1> is not pickleable.")
+
+    monkeypatch.setattr(pipeline, "save_reproducer", unpicklable)
+    graph = capture(chain, torch.randn(8, requires_grad=True))
+    with pytest.warns(PassRolledBackWarning) as caught:
+        result = PassManager("_test_keyerror,_test_measures", on_failure="rollback").run(graph)
+    warning = _rolled_back(caught, "_test_keyerror")
+    assert "raised KeyError: 'sin'" in str(warning) and warning.reproducer is None
+    assert "reproducer could not be saved (RuntimeError: <object at 0x1> is not pickleable.)" in str(warning)
+    assert result.rolled_back == ("_test_keyerror",)
+    graph = capture(chain, torch.randn(8, requires_grad=True))
+    with pytest.raises(PassError, match=r"raised KeyError: 'sin'.*could not be saved \(RuntimeError"):
+        PassManager("_test_keyerror,_test_measures", reproducer_dir=temporary_dir).run(graph)
+
+
 def test_optimize_rolls_a_failing_pass_back_and_gives_eagers_results(temporary_dir):
     from memplan.errors import PassRolledBackWarning
     from memplan.pipeline import pass_failures

@@ -13,10 +13,11 @@ __all__ = ["wrap_fake"]
 
 _exporting = getattr(torch.compiler, "is_exporting", lambda: False)  # newer torch only
 
-#: Per fake mode, per fake device: the attributes ``FakeTensor(mode, meta, device)`` gives a new tensor
-#: (see :func:`wrap_fake`). Weak keys: a captured graph's mode goes when its graph goes.
-_FAKE_ATTRIBUTES: weakref.WeakKeyDictionary[FakeTensorMode, dict[torch.device, dict[str, Any]]] = (
-    weakref.WeakKeyDictionary())
+#: Per fake mode, per fake device: the normalised fake device and the attributes
+#: ``FakeTensor(mode, meta, device)`` gives a new tensor (see :func:`wrap_fake`). Weak keys: a captured
+#: graph's mode goes when its graph goes.
+_FAKE_ATTRIBUTES: weakref.WeakKeyDictionary[
+    FakeTensorMode, dict[torch.device, tuple[torch.device, dict[str, Any]]]] = weakref.WeakKeyDictionary()
 
 
 def wrap_fake(mode: FakeTensorMode, meta: torch.Tensor, device: torch.device) -> FakeTensor:
@@ -39,13 +40,16 @@ def wrap_fake(mode: FakeTensorMode, meta: torch.Tensor, device: torch.device) ->
     per_device = _FAKE_ATTRIBUTES.get(mode)
     if per_device is None:
         per_device = _FAKE_ATTRIBUTES[mode] = {}
-    attributes = per_device.get(device)
-    if attributes is None:
+    known = per_device.get(device)
+    if known is None:
         made = FakeTensor(mode, meta, device)
-        per_device[device] = dict(made.__dict__)
+        # ``fake_device``, not the attribute behind it: torch 2.11 keeps the device in a plain attribute
+        # of that name, later versions behind a property
+        per_device[device] = (made.fake_device, dict(made.__dict__))
         return made
+    fake_device, attributes = known
     fake = torch.Tensor._make_subclass(FakeTensor, meta, False, dispatch_device=True,
-                                       device_for_backend_keys=attributes["_fake_device"])
+                                       device_for_backend_keys=fake_device)
     if mode._allow_unsafe_data_ptr_access:
         torch._C._set_warn_deprecated_on_mutable_data_ptr(fake)
     else:

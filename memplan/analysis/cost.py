@@ -40,6 +40,7 @@ from memplan.graphutil import ALIAS_OPS, is_tensor, nbytes, packet_name, shape_o
 
 __all__ = [
     "CostRates",
+    "REFERENCE_CUDA_RATES",
     "REFERENCE_RATES",
     "OpWork",
     "op_work",
@@ -112,6 +113,19 @@ class CostRates:
 
 
 REFERENCE_RATES = CostRates()
+
+#: The rates a plan for a CUDA device is priced with by default: an H100-class GPU run eagerly from
+#: Python. The GPU's own rates are the public figures, rounded down to what eager kernels reach (fp32
+#: matmuls without TF32 about 40 TFLOP/s, HBM about 2.5 TB/s read and written, its 50 MB L2 as the cache);
+#: what decides most plans is the fixed cost, which is the host's: every op is a Python call, a dispatch
+#: and a kernel launch (about 8 us), and a chunk of a loop is a Python iteration. Where one op costs far
+#: less on the GPU than on the CPU and the fixed costs stay, splitting work into chunks costs relatively
+#: more: a plan priced with the CPU's rates chunked maxsim 20x slower than eager on an H100.
+#: ``rates="calibrated"`` measures the GPU at hand instead (:func:`calibrate`).
+REFERENCE_CUDA_RATES = CostRates(
+    flops=40e12, bandwidth=2.5e12, cache_bandwidth=5e12, cache_bytes=32 * 2**20, index_element=2e-12,
+    dispatch=8e-6, view_dispatch=2e-6, chunk_seconds=20e-6, threads=1, fork=0.0, autograd_node=8e-6,
+    source="reference cuda")
 
 
 _NO_TRAFFIC = ALIAS_OPS | {"getitem", "_unsafe_view", "empty", "new_empty", "new_empty_strided", "empty_strided"}
@@ -420,11 +434,11 @@ _CALIBRATED: dict[str, CostRates] = {}
 def rates_for(spec: "CostRates | str | None" = None, device: str | torch.device = "cpu") -> CostRates:
     """The rates a plan for ``device`` is priced with.
 
-    ``spec``: a :class:`CostRates` (used as given); ``"reference"`` (:data:`REFERENCE_RATES`: the same
-    plan on every machine); ``"calibrated"`` (:func:`calibrate`, run once per machine, device, torch
+    ``spec``: a :class:`CostRates` (used as given); ``"reference"`` (:data:`REFERENCE_RATES`, or
+    :data:`REFERENCE_CUDA_RATES` for a CUDA device: the same plan on every machine); ``"calibrated"`` (:func:`calibrate`, run once per machine, device, torch
     version and thread count and kept in ``$XDG_CACHE_HOME/memplan/rates.json``); None: what the
     environment variable ``MEMPLAN_RATES`` says, else ``"reference"``. A device this machine lacks is
-    priced with the reference rates.
+    priced with its reference rates.
     """
     if isinstance(spec, CostRates):
         return spec.resolved()
@@ -434,8 +448,9 @@ def rates_for(spec: "CostRates | str | None" = None, device: str | torch.device 
         raise ValueError(f"rates must be a CostRates, 'reference' or 'calibrated', not {spec!r} "
                          "(MEMPLAN_RATES takes 'reference' or 'calibrated')")
     device = torch.device(device)
+    reference = REFERENCE_CUDA_RATES if device.type == "cuda" else REFERENCE_RATES
     if spec == "reference" or device.type not in ("cpu", "cuda") or device.type == "cuda" and not torch.cuda.is_available():
-        return REFERENCE_RATES
+        return reference
     key = _machine_key(device)
     if key in _CALIBRATED:
         return _CALIBRATED[key]

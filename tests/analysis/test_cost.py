@@ -11,6 +11,7 @@ import torch
 import memplan
 from memplan.analysis import cost
 from memplan.analysis.cost import (
+    REFERENCE_CUDA_RATES,
     REFERENCE_RATES,
     CostRates,
     autograd_nodes,
@@ -135,6 +136,10 @@ def test_rates_follow_the_environment_and_refuse_what_they_cannot_read(monkeypat
     with pytest.raises(ValueError, match="'reference' or 'calibrated'"):
         rates_for("fast")
     assert rates_for("calibrated", "meta") is REFERENCE_RATES  # a device this machine cannot time
+    # a GPU's plan is priced as a GPU's step: its ops are fast and its fixed costs are the host's
+    assert rates_for("reference", "cuda") is REFERENCE_CUDA_RATES
+    assert REFERENCE_CUDA_RATES.flops > 100 * REFERENCE_RATES.flops
+    assert REFERENCE_CUDA_RATES.dispatch >= REFERENCE_RATES.dispatch
 
 
 @pytest.mark.parametrize("name, max_overhead", [("chain_product", 0.0), ("latent_gru", 0.0), ("seq2seq", 0.3)])
