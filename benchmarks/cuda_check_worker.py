@@ -38,6 +38,7 @@ stands (``SIGALRM``) and reports in which phase; the parent kills the worker if 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -50,9 +51,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import memplan
 import memplan.examples as examples
+from memplan.analysis.cost import REFERENCE_CUDA_RATES, calibrate
 from memplan.bench import device_name, interleaved_medians
 from memplan.errors import PassRolledBackWarning, VerificationWarning
 from memplan.measure import format_bytes, measure
@@ -96,8 +99,10 @@ class _Task:
         self.spec = spec
         self.id = spec["id"]
         self.current = "starting"
+        self.figures: dict[str, Any] = {}  # every figure sent so far
 
     def update(self, **fields: Any) -> None:
+        self.figures.update(fields)
         _send({"id": self.id, "update": fields})
 
     def phase(self, name: str) -> None:
@@ -169,6 +174,57 @@ def step_peak(step: Callable[[], Any], device: torch.device) -> int:
     step()
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) - before
+
+
+#: A prediction further than this from the measured peak (either way) gets :func:`op_peaks` in the record.
+DIAGNOSE_OFF_BY = 0.02
+
+
+class _OpPeaks(TorchDispatchMode):
+    """After each aten op: the allocator's live bytes and its peak during the op, then the peak reset."""
+
+    def __init__(self, device: torch.device, before: int) -> None:
+        super().__init__()
+        self.device, self.before, self.ops = device, before, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        live = torch.cuda.memory_allocated(self.device) - self.before
+        peak = torch.cuda.max_memory_allocated(self.device) - self.before
+        self.ops.append((str(func), live, peak))
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return out
+
+
+def op_peaks(step: Callable[[], Any], device: torch.device, top: int = 8) -> dict[str, Any]:
+    """Where one step's memory peaks, op by op, to tell a misprediction's cause from afar.
+
+    One step under a dispatch mode that reads the caching allocator after every aten op: ``peak`` is the
+    step's peak so measured, and ``ops`` the ``top`` ops whose own peak (the most allocated while the op
+    ran) is highest, each with the op before it, its live bytes after it and its peak. An op whose peak
+    is above both its neighbours' live bytes allocated memory that no tensor it returned holds: a kernel's
+    workspace or temporaries. A mode also changes what eager runs: autograd's formulas take their
+    out-of-place forms for tensor subclasses and under modes (``isTensorSubclassLike``), as a trace does,
+    so a peak here above the one measured without it points at such a formula.
+    """
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    mode = _OpPeaks(device, torch.cuda.memory_allocated(device))
+    with mode:
+        step()
+    torch.cuda.synchronize(device)
+    ops = mode.ops
+    ranked = sorted(range(len(ops)), key=lambda i: -ops[i][2])[:top]
+    return {
+        "peak": max((peak for _, _, peak in ops), default=0),
+        "ops": [{"index": i, "op": ops[i][0], "previous": ops[i - 1][0] if i else None,
+                 "live_before": ops[i - 1][1] if i else 0, "live_after": ops[i][1], "peak": ops[i][2]}
+                for i in sorted(ranked)],
+    }
+
+
+def _off(predicted: int | None, measured: int | None) -> bool:
+    return bool(predicted and measured) and abs(predicted / measured - 1.0) > DIAGNOSE_OFF_BY
 
 
 def _release(device: torch.device) -> None:
@@ -247,6 +303,9 @@ def memplan_task(task: _Task) -> None:
             clear_grads(workload.model, workload.inputs)
             task.update(eager_peak=step_peak(eager, device))
             timed["eager"] = eager
+            if device.type == "cuda" and _off(task.figures.get("predicted"), task.figures["eager_peak"]):
+                clear_grads(workload.model, workload.inputs)
+                task.update(eager_op_peaks=op_peaks(eager, device))
         except torch.cuda.OutOfMemoryError as exc:
             failure = f"out of memory: {_first_line(exc, 160)}"
         if failure is not None:
@@ -274,6 +333,9 @@ def memplan_task(task: _Task) -> None:
         clear_grads(workload.model, workload.inputs)
         task.update(memplan_peak=step_peak(planned_step, device))
         timed["memplan"] = planned_step
+        if device.type == "cuda" and plan is not None and _off(plan.planned_peak, task.figures["memplan_peak"]):
+            clear_grads(workload.model, workload.inputs)
+            task.update(memplan_op_peaks=op_peaks(planned_step, device))
     except torch.cuda.OutOfMemoryError as exc:
         failure = f"out of memory: {_first_line(exc, 160)}"
     if failure is not None:
@@ -348,6 +410,10 @@ def _hello(device: torch.device) -> dict[str, Any]:
             cudnn=torch.backends.cudnn.version(),
             float32_matmul_precision=torch.get_float32_matmul_precision(),
         )
+        # the time model's rates measured on this GPU (about a second), beside REFERENCE_CUDA_RATES
+        rates = calibrate(device)
+        hello["calibrated_rates"] = dataclasses.asdict(rates)
+        hello["reference_cuda_rates"] = dataclasses.asdict(REFERENCE_CUDA_RATES)
     hello["free"] = free_bytes(device)
     return hello
 

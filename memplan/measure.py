@@ -503,6 +503,8 @@ def measured_snapshot(fn: Callable[..., Any], *args: Any, device: str | torch.de
         timeline instead, which :func:`measure` agrees with.
     """
     existing = _existing_tensors(fn, args, kwargs)
+    if device is None and not existing and torch.cuda.is_available():
+        device = "cuda"  # a closure, e.g. a training step: only a CUDA device can be meant
     dev = _resolve_device(device, existing)
     existing.clear()
     if dev.type != "cuda":

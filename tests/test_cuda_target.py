@@ -259,3 +259,40 @@ def test_cli_says_whether_it_fits(factory, capsys):
 def test_cli_builds_a_cuda_target_on_the_meta_device():
     _, model, inputs = load_target("maxsim", device="cuda")
     assert {p.device.type for p in model.parameters()} | {x.device.type for x in inputs} == {"meta"}
+
+
+def _grouped_addmm_nodes(gm):
+    for module in gm.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            yield from (n for n in module.graph.nodes if n.target is torch.ops.memplan.grouped_addmm_.default)
+
+
+def test_a_plan_for_cuda_is_priced_as_a_gpus_step_and_gathers_max_gradients_in_one_block():
+    """On a GPU an op's fixed cost is the host's (Python, dispatch, launch) and its work is fast, so
+    memplan::grouped_addmm_ takes all its entries at once (one dispatch of each of its ops) where on a
+    CPU it takes them in blocks; and its blocks are priced as the dispatches they are."""
+    from memplan.analysis.cost import REFERENCE_CUDA_RATES, REFERENCE_RATES, op_work
+    from memplan.examples import make
+
+    workload = make("maxsim", size="small")
+    on_cpu = optimize(workload.model, device="cpu").plan_for(*workload.inputs)
+    on_gpu = optimize(workload.model, device="cuda").plan_for(*workload.inputs)
+    cpu_nodes, gpu_nodes = list(_grouped_addmm_nodes(on_cpu.graph.gm)), list(_grouped_addmm_nodes(on_gpu.graph.gm))
+    assert cpu_nodes and gpu_nodes
+    for node in gpu_nodes:
+        cols, workspace = node.args[1].meta["val"], node.args[6].meta["val"]
+        assert workspace.shape[1] == cols.numel()
+        assert op_work(node).rounds == 6 or op_work(node).rounds == 4  # one block: each op of it once
+    for node in cpu_nodes:
+        cols, workspace = node.args[1].meta["val"], node.args[6].meta["val"]
+        blocks = -(-cols.numel() // workspace.shape[1])
+        work = op_work(node)
+        assert work.rounds >= blocks
+        # the blocks' dispatches are priced: the same work in one block is cheaper by them
+        assert work.price(REFERENCE_RATES) - dataclasses.replace(work, rounds=0).price(REFERENCE_RATES) == \
+            pytest.approx(work.rounds * REFERENCE_RATES.dispatch)
+    # each plan is held to the same allowance over eager's time, priced with its device's rates
+    assert on_gpu.overhead <= 0.3 + 1e-9 and on_cpu.overhead <= 0.3 + 1e-9
+    # the bytes a GPU moves in the time of one dispatch: hundreds of times what a CPU moves
+    assert REFERENCE_CUDA_RATES.dispatch * REFERENCE_CUDA_RATES.bandwidth > 100 * (
+        REFERENCE_RATES.dispatch * REFERENCE_RATES.bandwidth)

@@ -115,16 +115,17 @@ class CostRates:
 REFERENCE_RATES = CostRates()
 
 #: The rates a plan for a CUDA device is priced with by default: an H100-class GPU run eagerly from
-#: Python. The GPU's own rates are the public figures, rounded down to what eager kernels reach (fp32
-#: matmuls without TF32 about 40 TFLOP/s, HBM about 2.5 TB/s read and written, its 50 MB L2 as the cache);
-#: what decides most plans is the fixed cost, which is the host's: every op is a Python call, a dispatch
-#: and a kernel launch (about 8 us), and a chunk of a loop is a Python iteration. Where one op costs far
-#: less on the GPU than on the CPU and the fixed costs stay, splitting work into chunks costs relatively
-#: more: a plan priced with the CPU's rates chunked maxsim 20x slower than eager on an H100.
-#: ``rates="calibrated"`` measures the GPU at hand instead (:func:`calibrate`).
+#: Python, as :func:`calibrate` measured one (an H100 80GB HBM3, torch 2.11, CUDA 13.0, rounded):
+#: fp32 matmuls without TF32 at 51 TFLOP/s, 3.05 TB/s read and written, 8.2 us a dispatch, 2.8 us a
+#: view, 9.7 us an autograd node; its 50 MB L2 as the cache, and ``chunk_seconds`` (a Python iteration of
+#: a loop) not measured. What decides most plans is the fixed cost, which is the host's: every op is a
+#: Python call, a dispatch and a kernel launch. Where an op costs far less on the GPU than on the CPU
+#: and the fixed costs stay, splitting work into chunks costs relatively more: a plan priced with the
+#: CPU's rates chunked maxsim 20x slower than eager on that H100. ``rates="calibrated"`` measures the
+#: GPU at hand instead.
 REFERENCE_CUDA_RATES = CostRates(
-    flops=40e12, bandwidth=2.5e12, cache_bandwidth=5e12, cache_bytes=32 * 2**20, index_element=2e-12,
-    dispatch=8e-6, view_dispatch=2e-6, chunk_seconds=20e-6, threads=1, fork=0.0, autograd_node=8e-6,
+    flops=50e12, bandwidth=3e12, cache_bandwidth=5e12, cache_bytes=32 * 2**20, index_element=2e-12,
+    dispatch=8e-6, view_dispatch=2.5e-6, chunk_seconds=20e-6, threads=1, fork=0.0, autograd_node=9.5e-6,
     source="reference cuda")
 
 
@@ -162,6 +163,10 @@ class OpWork:
     indexed: float = 0.0  # elements reduced with indices or moved through an index tensor
     elements: int = 0  # elements of the op's largest tensor: what torch splits over threads
     elements_scale: bool = False  # that tensor carries the chunked index
+    # an op that loops over blocks in Python (``memplan::grouped_addmm_``) makes this many dispatches
+    # beyond its own, as many more per chunk length when ``rounds_scale``
+    rounds: float = 0.0
+    rounds_scale: bool = False
 
     def price(self, rates: CostRates, factor: float = 1.0) -> float:
         """Seconds at ``factor`` times the length the work was measured at."""
@@ -176,7 +181,28 @@ class OpWork:
         ways = rates.ways(self.elements * (factor if self.elements_scale else 1.0))
         if ways > 1:
             work = work / ways + rates.fork * (ways - 1)
-        return work + rates.dispatch
+        return work + rates.dispatch * (1.0 + self.rounds * (factor if self.rounds_scale else 1.0))
+
+
+#: Dispatches per block of ``memplan::grouped_addmm_`` (see :mod:`memplan.ops`): coordinates
+#: (``arange``, ``floor_divide_``, ``copy_``), the sparse matrix and its ``addmm_``, with their views
+#: counted as one; the compressed-row path makes its offsets, the matrix and the product.
+_GROUPED_ADDMM_COO_CALLS = 6
+_GROUPED_ADDMM_CSR_CALLS = 4
+
+
+def _grouped_addmm_rounds(node: torch.fx.Node) -> float:
+    """Dispatches ``memplan::grouped_addmm_`` makes beyond its own: blocks of entries (coordinates as
+    wide as its workspace), or blocks of output rows on its compressed-row path."""
+    out, cols, values, dense, per_group, scatter, workspace = (
+        a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args[:7])
+    if not all(isinstance(t, torch.Tensor) for t in (out, cols, workspace)) or workspace.dim() != 2:
+        return 0.0
+    block = max(1, int(workspace.shape[1]))
+    if not scatter and cols.dtype == torch.int32 and out.is_contiguous():
+        groups = max(1, 4 * block - 1)  # the workspace's int32 view holds groups + 1 row offsets
+        return math.ceil(int(out.shape[0]) / groups) * _GROUPED_ADDMM_CSR_CALLS
+    return math.ceil(int(cols.numel()) / block) * _GROUPED_ADDMM_COO_CALLS
 
 
 def op_flops(node: torch.fx.Node) -> int:
@@ -246,9 +272,11 @@ def op_work(node: torch.fx.Node, scales: Callable[[torch.fx.Node], bool] = lambd
         source = _INDEXED_MOVES[name]  # the argument whose elements move (None: the result)
         moved = node if source is None else node.args[source] if source < len(node.args) else None
         indexed = _numel(moved) if isinstance(moved, torch.fx.Node) else 0
-    elif name == "grouped_addmm_":  # one row of the dense operand moved per entry
+    rounds = 0.0
+    if name == "grouped_addmm_":  # one row of the dense operand moved per entry
         values, dense = node.args[2], node.args[3]
         indexed = _numel(values) * (shape_of(dense)[-1] if shape_of(dense) else 1)
+        rounds = _grouped_addmm_rounds(node)
     fixed = scaled = 0
     elements, elements_scale = 0, False
     operands = [a for a in node.all_input_nodes if is_tensor(a)]
@@ -261,7 +289,8 @@ def op_work(node: torch.fx.Node, scales: Callable[[torch.fx.Node], bool] = lambd
         if count > elements or count == elements and scales(value):
             elements, elements_scale = count, scales(value)
     return OpWork(flops, any(scales(a) for a in operands) or scales(node), fixed, scaled, indexed=indexed,
-                  elements=elements, elements_scale=elements_scale)
+                  elements=elements, elements_scale=elements_scale, rounds=rounds,
+                  rounds_scale=rounds > 0 and scales(node.args[2]))
 
 
 _WORK = "memplan_work"  # node.meta key: (value, OpWork), the work of the value it was made from

@@ -126,7 +126,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation
 from memplan.capture import CapturedGraph, Phase
-from memplan.graphutil import mutated_args, packet_name
+from memplan.graphutil import graph_device, mutated_args, packet_name
 from memplan.opschema import is_view_op
 from memplan.ops import grouped_addmm_
 from memplan.passes._chunk.graphs import copy_graph, fake_call, fake_mode_of
@@ -627,7 +627,7 @@ class _MatmulMaxFunction(torch.autograd.Function):
         a, b = (right.transpose(-1, -2), left.transpose(-1, -2)) if pattern.rows else (left, right)
         if not pattern.batched:
             a, b = a.unsqueeze(0), b.unsqueeze(0)
-        grad_a, grad_b = _gather_grads(a, b, grad, index, pattern)
+        grad_a, grad_b = _gather_grads(a, b, grad, index, pattern, ctx.spec.device)
         if not pattern.batched:
             grad_a, grad_b = grad_a.squeeze(0), grad_b.squeeze(0)
         if pattern.rows:
@@ -638,7 +638,19 @@ class _MatmulMaxFunction(torch.autograd.Function):
 _COORD_BLOCK = 512  # entries whose int64 coordinates the operator holds at once (8 KiB of workspace)
 
 
-def _gather_grads(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, index: torch.Tensor, pattern: MatmulMax):
+def _coordinate_block(entries: int, device: torch.device) -> int:
+    """Entries ``memplan::grouped_addmm_`` takes per block: :data:`_COORD_BLOCK` on a CPU, where a block's
+    work (a row of the dense operand per entry) outweighs its half-dozen dispatches; all of them on a
+    GPU, where one block's dispatches (about 50 us from Python) cost more than a hundred thousand
+    entries' work, and the workspace (16 bytes an entry) stays below the entries' columns and values
+    together (8 to 16 bytes an entry) unless those are half precision."""
+    if device.type == "cuda":
+        return max(1, entries)
+    return max(1, min(entries, _COORD_BLOCK))  # (an empty product still gets a workspace)
+
+
+def _gather_grads(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, index: torch.Tensor, pattern: MatmulMax,
+                  device: torch.device):
     """Gradients of ``y = max over a factor of the columns of a @ b`` from the kept indices.
 
     ``a`` is ``(Bt, R, K)``, ``b`` is ``(Bt, K, C)``; ``grad`` and ``index`` (the narrow indices as
@@ -647,7 +659,7 @@ def _gather_grads(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, index: t
     ``grad_a`` and ``grad * a[r]`` to column ``c`` of ``grad_b``: two products of the same sparse
     selection matrix (one entry per element of ``y``, grouped by row of ``a``) with a dense operand,
     ``memplan::grouped_addmm_``, whose only temporaries are the entries' columns, values and
-    coordinates.
+    coordinates. ``device``: the one the plan runs on (the trace's may be a stand-in for it).
     """
     batch, rows_n, k = a.shape
     cols_n = b.shape[2]
@@ -690,7 +702,7 @@ def _gather_grads(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, index: t
     values = grad.permute(order).reshape(-1).clone(memory_format=torch.contiguous_format)
     a_rows = a.reshape(batch * rows_n, k)
     b_rows = b.transpose(1, 2).reshape(batch * cols_n, k)
-    block = max(1, min(cols.shape[0], _COORD_BLOCK))  # (an empty product still gets a workspace)
+    block = _coordinate_block(cols.shape[0], device)
     grad_a = torch.zeros(batch * rows_n, k, dtype=a.dtype, device=a.device)
     workspace = torch.empty(2, block, dtype=torch.int64, device=a.device)
     grad_a = grouped_addmm_(grad_a, cols, values.to(a.dtype), b_rows, per_row, False, workspace)
@@ -704,6 +716,7 @@ def _gather_grads(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, index: t
 class _MaxSpec:
     pattern: MatmulMax
     steps: tuple[tuple[Callable[..., Any], tuple, dict], ...]  # the view chain, replayed on the product
+    device: torch.device  # the device the plan runs on
 
     def replay(self, value: torch.Tensor) -> torch.Tensor:
         for target, args, kwargs in self.steps:
@@ -713,7 +726,7 @@ class _MaxSpec:
 
 def _matmul_max_fn(pattern: MatmulMax, graph: CapturedGraph) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     steps = tuple((n.target, tuple(n.args[1:]), dict(n.kwargs)) for n in (graph.node(c) for c in pattern.chain))
-    spec = _MaxSpec(pattern, steps)
+    spec = _MaxSpec(pattern, steps, graph.target_device or graph_device(graph))
     return lambda left, right: _MatmulMaxFunction.apply(left, right, spec)
 
 
