@@ -50,7 +50,7 @@ def _run_with_grads(
     if not grad:
         return [t.detach() for t in flat], []
     owner = model if isinstance(model, nn.Module) else None
-    leaves = _grad_leaves(owner or model, call)
+    leaves = _grad_leaves(owner if owner is not None else model, call)
     diff = [t for t in flat if t.requires_grad]
     if not diff or not leaves:
         return [t.detach() for t in flat], []

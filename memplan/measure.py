@@ -65,7 +65,7 @@ from torch.utils._pytree import tree_leaves
 
 from memplan.errors import UnsupportedInputError
 
-__all__ = ["MemoryEvent", "Measurement", "measure", "measured_snapshot", "format_bytes"]
+__all__ = ["MemoryEvent", "Measurement", "measure", "allocator_peak", "measured_snapshot", "format_bytes"]
 
 _UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -486,6 +486,49 @@ def measure(
     if dev.type == "cuda":
         return _measure_cuda(fn, args, kwargs, dev, existing)
     return _measure_cpu(fn, args, kwargs, dev, existing)
+
+
+def allocator_peak(fn: Callable[..., Any], *args: Any, device: str | torch.device = "cpu", **kwargs: Any) -> int:
+    """Peak bytes the allocator held during ``fn(*args, **kwargs)`` above what it held before, with no
+    dispatch mode: the ruler for compiled code.
+
+    :func:`measure` counts what aten ops return, through a dispatch mode. Compiled code does not run
+    under one (``torch.compile`` runs its model eagerly when a mode is active), and autograd's formulas
+    take other forms under one (``isTensorSubclassLike``). This ruler reads the allocator instead: on
+    CUDA, ``torch.cuda.max_memory_allocated``; on CPU, the allocation and free events
+    ``torch.profiler`` records with ``profile_memory=True``, summed in time order. It sees what ops
+    allocate inside their kernels too (workspaces, the temporaries of fused or compiled kernels), so on
+    eager code it reads at least :func:`measure`'s peak; and it sees nothing per op.
+
+    Examples
+    --------
+    >>> import torch
+    >>> x = torch.ones(256)
+    >>> allocator_peak(lambda: (x * 2) + 1) >= 2 * 1024
+    True
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+        fn(*args, **kwargs)
+        torch.cuda.synchronize(dev)
+        return torch.cuda.max_memory_allocated(dev) - before
+    if dev.type != "cpu":
+        raise UnsupportedInputError(f"allocator_peak() reads the CPU's or a CUDA device's allocator, not {dev}")
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn(*args, **kwargs)
+    events = [e for e in prof.profiler.kineto_results.events()
+              if e.name() == "[memory]" and e.device_type() == torch._C._autograd.DeviceType.CPU]
+    events.sort(key=lambda e: e.start_ns())
+    live = peak = 0
+    for event in events:
+        live += event.nbytes()  # negative for a free
+        peak = max(peak, live)
+    return peak
 
 
 def measured_snapshot(fn: Callable[..., Any], *args: Any, device: str | torch.device | None = None,
