@@ -63,6 +63,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
+from memplan._capture.formulas import EagerFormulas
 from memplan.errors import UnsupportedInputError
 
 __all__ = ["MemoryEvent", "Measurement", "measure", "allocator_peak", "measured_snapshot", "format_bytes"]
@@ -326,9 +327,12 @@ class _MeasureMode(TorchDispatchMode):
         self.live_probe = live_probe
         self.rows: list[tuple[str, int, int, int]] = []  # (op, allocated, freed, live)
         self._names: dict[Any, str] = {}
+        self.formulas = EagerFormulas()  # autograd's formulas as eager runs them, not as under this mode
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        func = self.formulas.in_place(func, args, kwargs) or func
         out = func(*args, **(kwargs or {}))
+        self.formulas.made(func, out)
         self._record(func, args, kwargs, out)
         return out
 
@@ -521,13 +525,25 @@ def allocator_peak(fn: Callable[..., Any], *args: Any, device: str | torch.devic
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn(*args, **kwargs)
-    events = [e for e in prof.profiler.kineto_results.events()
-              if e.name() == "[memory]" and e.device_type() == torch._C._autograd.DeviceType.CPU]
-    events.sort(key=lambda e: e.start_ns())
+    # the allocations of the event tree, by address: a block freed here that was allocated before the call
+    # (a .grad a step drops) is not the call's
+    allocations, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        fields = event.extra_fields
+        if type(fields).__name__ == "_ExtraFields_Allocation" and fields.device.type == "cpu":
+            allocations.append((event.start_time_ns, fields.id, fields.ptr, fields.alloc_size))
+    allocations.sort()
+    mine: dict[int, int] = {}
     live = peak = 0
-    for event in events:
-        live += event.nbytes()  # negative for a free
-        peak = max(peak, live)
+    for _, _, ptr, size in allocations:
+        if size > 0:
+            mine[ptr] = size
+            live += size
+            peak = max(peak, live)
+        elif ptr in mine:
+            live -= mine.pop(ptr)
     return peak
 
 

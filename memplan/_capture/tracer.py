@@ -72,6 +72,7 @@ from torch.utils._python_dispatch import (
     autograd_would_have_decomposed,
 )
 
+from memplan._capture.formulas import EagerFormulas
 from memplan.opschema import (
     CONTIGUOUS_RESULTS, GRAD_MODE_OPS, REDUCED_IN_RESULT, SIZED_BY_RUNNING, STORAGE_OF_INPUT, result_storage_numel,
 )
@@ -261,6 +262,7 @@ class Tracer(TorchDispatchMode):
         self.graph = torch.fx.Graph()
         self.root = torch.nn.Module()
         self.observer = observer
+        self._formulas = EagerFormulas()  # autograd's formulas as eager runs them (in place), not as over fakes
         self._ops: dict[Any, _Op] = {}
         self._cache: dict[tuple, Any] = {}
         self._depth = 0
@@ -390,6 +392,8 @@ class Tracer(TorchDispatchMode):
             return args[0].fake_device
         kwargs = kwargs or {}
         last = self.graph._root.prev
+        if self._depth == 0:
+            func = self._formulas.in_place(func, args, kwargs) or func
         self._depth += 1
         dormant = torch._C._unset_dispatch_mode(_PROXY)
         try:
@@ -398,6 +402,8 @@ class Tracer(TorchDispatchMode):
             if dormant is not None:
                 torch._C._set_dispatch_mode(dormant)
             self._depth -= 1
+        if self._depth == 0:
+            self._formulas.made(func, out)
         if self._depth == 0 and self.observer is not None:
             self.observer(last, out)
         return out
