@@ -140,20 +140,16 @@ def test_bad_arguments_are_refused_when_the_backend_is_made():
     assert "budget='1MiB'" in repr(memplan.compile.backend(budget="1MiB"))
 
 
-def test_the_allocator_ruler_sees_eager_as_it_runs_outside_a_dispatch_mode():
-    """The ruler of compiled code on eager: at least what memplan.measure counts, except where autograd's
-    formulas change under a dispatch mode: max's gradient is written into its zeros in place when no mode
-    is active (scatter_), out of place under one (scatter), which memplan.measure and memplan's trace see."""
+def test_the_allocator_ruler_reads_what_measure_counts_and_what_kernels_allocate_inside():
+    """The ruler of compiled code, on eager code: memplan.measure's peak, and more where a kernel allocates
+    temporaries no op returns (the CPU's kthvalue sorts a copy of each row)."""
     from memplan.measure import measure
 
     workload = make("broadcast_matmul", size="small")
     step = step_fn(workload.model, workload.inputs, train=True)
     step()
-    assert allocator_peak(step) >= measure(step).peak
+    assert allocator_peak(step) == measure(step).peak
     x = torch.randn(64, 128, requires_grad=True)
-    max_step = step_fn(lambda t: t.max(-1).values, (x,), train=True)
-    max_step()
-    grad_bytes = x.numel() * x.element_size()
-    # under the mode: x.grad's zeros and scatter's result; without it: the zeros written in place
-    assert measure(max_step).peak >= 2 * grad_bytes
-    assert allocator_peak(max_step) < 2 * grad_bytes
+    kth_step = step_fn(lambda t: t.kthvalue(3, -1).values, (x,), train=True)
+    kth_step()
+    assert allocator_peak(kth_step) > measure(kth_step).peak

@@ -346,7 +346,8 @@ def _find_scatter_into_zeros(graph: CapturedGraph) -> list[ScatterIntoZeros]:
         if node.op != "call_function" or not _plain_add(node):
             continue
         for s, x in (node.args, node.args[::-1]):
-            if s.target is not torch.ops.aten.scatter.src or not _single_use(s) or s is x:
+            # out of place into zeros, or in place into zeros nothing else reads (eager's max backward)
+            if s.target not in (torch.ops.aten.scatter.src, torch.ops.aten.scatter_.src) or not _single_use(s) or s is x:
                 continue
             zeros, dim, index, src = s.args[:4]
             if packet_name(zeros) not in ("new_zeros", "zeros", "zeros_like") or not _single_use(zeros):

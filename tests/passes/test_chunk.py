@@ -870,7 +870,7 @@ def test_maxsim_gradient_is_not_copied_into_its_layout_and_the_ruler_agrees():
     loop_items = {n for n in graph.nodes if n.target is operator.getitem and n.args[0].op == "call_module"}
     assert not [n for n in graph.nodes if packet_name(n) == "copy_" and n.args[1] in loop_items]
     measured = measure(step).peak
-    assert measured * 20 < measure(step_fn(w.model, w.inputs, train=True)).peak
+    assert measured * 15 < measure(step_fn(w.model, w.inputs, train=True)).peak  # (eager: its gradient in place)
     assert abs(measured - opt.plan.planned_peak) <= 0.05 * opt.plan.planned_peak
 
 
@@ -969,7 +969,7 @@ def test_golden_states_of_the_grouped_product():
     assert isinstance(chunk_rule(gather, {**entries, zero_a: Split(0, 2), b: Split(0, 1)}.get), Barrier)
 
 
-def test_maxsim_is_30x_lower_with_its_gradient_written_in_place_by_the_loop():
+def test_maxsim_is_15x_lower_with_its_gradient_written_in_place_by_the_loop():
     """The backward's selections are sparse products (no gathered rows), and each chunk's rows of the
     gradient of a are written straight into the result (no chunk-sized copy)."""
     w = examples.make("maxsim")
@@ -979,7 +979,9 @@ def test_maxsim_is_30x_lower_with_its_gradient_written_in_place_by_the_loop():
     loops = [m for m in opt.plan.graph.gm.modules() if isinstance(m, ChunkLoop)]
     assert any(out.into for loop in loops for out in loop.spec.outputs)
     measured = measure(step).peak
-    assert measured * 30 <= measure(step_fn(w.model, w.inputs, train=True)).peak
+    # eager writes the gradient of its max in place (4.96 MiB here); the floor is the gradients of the
+    # inputs, 278 KiB, 1/17.9 of it
+    assert measured * 15 <= measure(step_fn(w.model, w.inputs, train=True)).peak
     assert abs(measured - opt.plan.planned_peak) <= 0.05 * opt.plan.planned_peak
     assert_equivalent(w.model, opt, *w.inputs)
 

@@ -589,7 +589,7 @@ def _chunk_rule(node: torch.fx.Node, st: Callable[[Any], State], is_zero: Callab
     if name == "gather":
         dim = norm_dim(node.args[1], len(out_shape))
         return _same_dim_all(node, state, [node.args[0], node.args[2]], dim, None)
-    if name in ("scatter", "scatter_add", "scatter_reduce"):
+    if name in ("scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce"):
         dim = norm_dim(node.args[1], len(out_shape))
         return _same_dim_all(node, state, [a for a in (node.args[0], node.args[2], node.args[3] if len(node.args) > 3 else None) if a is not None], dim, None)
     if name in ("index_add", "index_add_"):
@@ -598,7 +598,7 @@ def _chunk_rule(node: torch.fx.Node, st: Callable[[Any], State], is_zero: Callab
         return _grouped_addmm(node, state, is_zero)
     if name == "index":
         return _index(node, state, out_shape)
-    if name in ("index_put", "_index_put_impl_"):
+    if name in ("index_put", "index_put_", "_index_put_impl_"):
         return _index_put(node, state, is_zero)
     if name == "slice_backward":
         g = state(node.args[0])
