@@ -1803,7 +1803,10 @@ def _capture_error(model: Any, exc: BaseException, graph: torch.fx.Graph | None 
     if isinstance(exc, TargetError):
         return CaptureError(f"memplan cannot plan {name} for {target.device} on this build{at_call}: {exc}")
     stand_in = target is not None and target.stand_in
-    if stand_in and type(exc).__name__ == "FakeTensorDeviceMismatchError":
+    # torch 2.13 raises FakeTensorDeviceMismatchError; 2.11 a RuntimeError saying the same
+    two_devices = type(exc).__name__ == "FakeTensorDeviceMismatchError" or bool(
+        re.search(r"Unhandled FakeTensor Device Propagation .*found two different devices", str(exc)))
+    if stand_in and two_devices:
         found = str(exc).splitlines()[0].replace(str(target.trace_device), str(target.device))
         return CaptureError(
             f"memplan cannot capture {name} for {target.device}: an op{at} reads tensors on two devices ({found}): "
@@ -1812,15 +1815,16 @@ def _capture_error(model: Any, exc: BaseException, graph: torch.fx.Graph | None 
             "on the device of the model's tensors (device=x.device), or register it as a buffer, which "
             "model.to(device) moves."
         )
-    if stand_in and re.search(r"not (compiled|linked) with (CUDA|support for cuda)", str(exc), re.IGNORECASE):
+    if stand_in and re.search(r"not (compiled|linked) with (CUDA|support for cuda)|Found no NVIDIA driver", str(exc),
+                              re.IGNORECASE):
         return CaptureError(
-            f"memplan cannot capture {name} for {target.device} on this CPU-only build of PyTorch: the model calls "
+            f"memplan cannot capture {name} for {target.device} on this machine, which has no GPU: the model calls "
             f"CUDA's runtime{at_call} ({str(exc).splitlines()[0]}), which needs a GPU: a torch.cuda function, or a "
             "tensor made on a CUDA device by name (device='cuda'). Fix: make tensors on the device of the model's "
             "tensors (device=x.device, x.new_zeros(...)) and keep torch.cuda calls outside the forward; or plan on "
             "a machine with a GPU."
         )
-    if type(exc).__name__ == "FakeTensorDeviceMismatchError":
+    if two_devices:
         return CaptureError(
             f"memplan cannot capture {name}: an op{at} reads tensors on two devices ({str(exc).splitlines()[0]}); "
             "eager fails the same way. Fix: move the inputs to the model's device (x.to(device)), or the model "
