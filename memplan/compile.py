@@ -20,7 +20,7 @@ Two spellings:
 What it does not do (yet): hand the planned graphs to Inductor (the planned forward and backward run as
 memplan's emitted code, op by op, as ``memplan.optimize`` runs them); share a plan between graphs; plan
 for symbolic shapes: a graph Dynamo made dynamic is planned once per concrete shape it is called with
-(``max_plans`` of them kept).
+(up to :data:`memplan.api.MAX_PLANS` of them kept).
 """
 
 from __future__ import annotations
