@@ -1,6 +1,9 @@
-"""memplan under DistributedDataParallel: two processes on this machine (gloo), gradients as one process's.
+"""memplan under DistributedDataParallel and FSDP2: two processes on this machine (gloo), gradients as one
+process's.
 
 What DDP must keep: the averaged gradients of every parameter, ``no_sync()`` accumulation, ``static_graph``.
+FSDP2: ``fully_shard`` over planned blocks and the root, each block planned once though FSDP swaps its
+parameters in and out around every call.
 What it does not show yet: overlap. A plan's backward is one autograd node that returns every gradient at its
 end, so DDP's per-parameter hooks fire together after it, and its all-reduces do not overlap the backward
 (see docs/compile.md).
@@ -95,5 +98,71 @@ def test_ddp_over_a_plan_gives_one_processs_gradients(mode):
     found, expected = _run(mode)
     assert found["planned0"] and found["planned1"]
     for rank in range(WORLD):
+        for name, grad in expected.items():
+            torch.testing.assert_close(found[rank][name], grad, msg=lambda m, name=name: f"rank {rank} {name}: {m}")
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.tanh(self.l(x)) * x + x
+
+
+class Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).logsumexp(-1)
+
+
+def _fsdp_batches() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    return [torch.randn(WORLD * 4, 16, generator=generator) for _ in range(2)]
+
+
+def _fsdp_worker(rank: int, port: int, state: dict, out: dict) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        model = Blocks()
+        model.load_state_dict(state)
+        # the order users follow: plan each block's activations, then shard each block and the root
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = memplan.optimize(block)
+            fully_shard(model.blocks[i])
+        fully_shard(model)
+        for batch in _fsdp_batches():
+            model(batch[rank::WORLD]).sum().backward()
+        out[rank] = {name.replace(".model.", "."): p.grad.full_tensor().clone() for name, p in model.named_parameters()}
+        out[f"plans{rank}"] = [len(block._plans) for block in model.blocks]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fully_shard_over_planned_blocks_gives_one_processs_gradients():
+    torch.manual_seed(0)
+    reference = Blocks()
+    state = copy.deepcopy(reference.state_dict())
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_fsdp_worker, args=(_free_port(), state, out), nprocs=WORLD, join=True)
+        found = dict(out)
+    for batch in _fsdp_batches():
+        (reference(batch).sum() / WORLD).backward()
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+    for rank in range(WORLD):
+        assert found[f"plans{rank}"] == [1, 1, 1]  # each block planned once, its plan kept across steps
+        assert set(found[rank]) == set(expected)
         for name, grad in expected.items():
             torch.testing.assert_close(found[rank][name], grad, msg=lambda m, name=name: f"rank {rank} {name}: {m}")
