@@ -335,6 +335,10 @@ def render_markdown(record: dict[str, Any]) -> str:
         for key in ("eager_note", "memplan_note", "note"):
             if w.get(key):
                 said.append(f"eager {w[key]}" if key == "eager_note" else str(w[key]))
+        if w.get("backend_peak") is not None:
+            ratio = (f", step time {w['backend_seconds'] / w['eager_seconds']:.2f}x eager's"
+                     if w.get("backend_seconds") and w.get("eager_seconds") else "")
+            said.append(f"torch.compile(backend=\"memplan\"): peak {format_bytes(w['backend_peak'])}{ratio}")
         if compile_.get("compile_seconds") is not None:
             said.append(f"torch.compile's first step took {compile_['compile_seconds']:.1f} s")
         if compile_.get("note"):

@@ -22,7 +22,9 @@ Tasks
 (4) memplan: ``memplan.optimize(model, verify=True)``; its first call plans and checks its outputs and
     gradients against the model run eagerly (skipped, with a note, where eager would not fit), then the
     peak of one step, beside the plan's predicted peak;
-(5) the step times of the variants that ran, as medians of blocks timed in turn
+(5) ``torch.compile(model, backend="memplan")``, where the captured graph is small (:data:`BACKEND_MAX_NODES`):
+    its first call and the peak of one step;
+(6) the step times of the variants that ran, as medians of blocks timed in turn
     (:func:`memplan.bench.interleaved_medians`; CUDA is synchronised around each step).
 
 ``"compile"``: the same step through ``torch.compile`` with
@@ -54,11 +56,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memplan
+import memplan.compile
 import memplan.examples as examples
 from memplan.analysis.cost import REFERENCE_CUDA_RATES, calibrate
 from memplan.bench import device_name, interleaved_medians
 from memplan.errors import PassRolledBackWarning, VerificationWarning
-from memplan.measure import format_bytes, measure
+from memplan.measure import allocator_peak, format_bytes, measure
 from memplan.steps import clear_grads, step_fn
 
 __all__ = ["FIT_HEADROOM", "PREFIX", "free_bytes", "step_peak", "main"]
@@ -175,6 +178,10 @@ def step_peak(step: Callable[[], Any], device: torch.device) -> int:
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) - before
 
+
+#: ``torch.compile(model, backend="memplan")`` runs beside eager and memplan.optimize on workloads whose captured
+#: graph has at most this many nodes (Dynamo traces an unrolled loop of thousands of steps slowly).
+BACKEND_MAX_NODES = 2000
 
 #: A prediction further than this from the measured peak (either way) gets :func:`op_peaks` in the record.
 DIAGNOSE_OFF_BY = 0.02
@@ -342,6 +349,27 @@ def memplan_task(task: _Task) -> None:
         clear_grads(workload.model, workload.inputs)
         _release(device)
         task.update(memplan_note=failure)
+
+    nodes = task.figures.get("graph_nodes")
+    if "memplan" in timed and nodes is not None and nodes <= BACKEND_MAX_NODES:
+        task.phase("backend")
+        torch._dynamo.reset()
+        # the backend object, not its name: the name needs memplan installed (an entry point), and this
+        # script runs from a checkout
+        compiled = torch.compile(workload.model, backend=memplan.compile.backend())
+        backend_step = step_fn(compiled, workload.inputs, train=True)
+        try:
+            start = time.perf_counter()
+            backend_step()  # Dynamo traces, memplan plans each graph
+            task.update(backend_first_call_seconds=time.perf_counter() - start)
+            clear_grads(workload.model, workload.inputs)
+            # (the allocator's peak on CPU too: under memplan.measure's dispatch mode Dynamo would run eagerly)
+            task.update(backend_peak=allocator_peak(backend_step, device=device))
+            timed["backend"] = backend_step
+        except torch.cuda.OutOfMemoryError as exc:
+            clear_grads(workload.model, workload.inputs)
+            _release(device)
+            task.update(backend_note=f"out of memory: {_first_line(exc, 160)}")
 
     if timed:
         task.phase("timing")
