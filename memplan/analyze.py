@@ -157,4 +157,7 @@ def analyze(
     >>> analyze(torch.nn.Linear(256, 250), torch.randn(3, 256), train=False, device="cuda").peak
     3072
     """
+    from memplan.api import refuse_compiled
+
+    refuse_compiled(model, "memplan.analyze(model, ...)")
     return MemoryAnalysis.from_graph(on_target(capture(model, *inputs, train=train, target_device=device, **kwargs)))

@@ -744,6 +744,17 @@ def _collector_paused():
             gc.enable()
 
 
+def refuse_compiled(model: Any, call: str) -> None:
+    """A clear error for a module ``torch.compile`` wrapped, which memplan cannot trace."""
+    if type(model).__name__ == "OptimizedModule" and type(model).__module__.startswith("torch._dynamo"):
+        raise CaptureError(
+            "memplan traces a model's own code, and torch.compile's wrapper cannot be traced. Fix: pass "
+            f"the module itself, {call} (a compiled module keeps it as ._orig_mod); to plan inside "
+            'torch.compile, compile with backend="memplan" or memplan.compile.backend(), whose .plans say '
+            "what memplan did to each graph."
+        )
+
+
 def optimize(
     model: nn.Module | Callable[..., Any],
     *,
@@ -819,11 +830,7 @@ def optimize(
     """
     from memplan.pipeline import parse_pipeline
 
-    if type(model).__name__ == "OptimizedModule" and type(model).__module__.startswith("torch._dynamo"):
-        raise CaptureError(
-            "memplan traces a model's own code, and torch.compile's wrapper cannot be traced. Fix: pass "
-            "the module itself, memplan.optimize(model) (a compiled module keeps it as ._orig_mod)."
-        )
+    refuse_compiled(model, "memplan.optimize(model)")
     names = parse_pipeline(DEFAULT_PIPELINE if passes is None else passes)
     check_options(options or {})
     return OptimizedModule(

@@ -154,3 +154,13 @@ def test_the_allocator_ruler_reads_what_measure_counts_and_what_kernels_allocate
     kth_step = step_fn(lambda t: t.kthvalue(3, -1).values, (x,), train=True)
     kth_step()
     assert allocator_peak(kth_step) > measure(kth_step).peak
+
+
+@pytest.mark.parametrize("call", ["analyze", "optimize"])
+def test_a_module_compiled_elsewhere_is_refused_with_both_fixes(call):
+    compiled = torch.compile(nn.Linear(4, 4))
+    with pytest.raises(memplan.CaptureError, match=r"\._orig_mod.*backend=\"memplan\""):
+        if call == "analyze":
+            memplan.analyze(compiled, torch.randn(2, 4))
+        else:
+            memplan.optimize(compiled)
