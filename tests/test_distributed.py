@@ -11,6 +11,7 @@ end, so DDP's per-parameter hooks fire together after it, and its all-reduces do
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import socket
@@ -55,11 +56,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, port: int, state: dict, mode: str, out: dict) -> None:
+@contextlib.contextmanager
+def _group(rank: int, port: int):
+    """This process as ``rank`` of a gloo group of :data:`WORLD` on this machine."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(worker, *args) -> dict:
+    """What each of :data:`WORLD` processes running ``worker(rank, port, *args, out)`` put in ``out``."""
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(worker, args=(_free_port(), *args, out), nprocs=WORLD, join=True)
+        return dict(out)
+
+
+def _worker(rank: int, port: int, state: dict, mode: str, out: dict) -> None:
+    with _group(rank, port):
         model = Net()
         model.load_state_dict(state)
         ddp = nn.parallel.DistributedDataParallel(memplan.optimize(model), static_graph=(mode == "static"))
@@ -73,18 +91,13 @@ def _worker(rank: int, port: int, state: dict, mode: str, out: dict) -> None:
                 ddp(batch[rank::WORLD]).sum().backward()
         out[rank] = {name: p.grad.clone() for name, p in model.named_parameters()}
         out[f"planned{rank}"] = ddp.module.plan is not None
-    finally:
-        dist.destroy_process_group()
 
 
 def _run(mode: str) -> dict:
     torch.manual_seed(0)
     model = Net()
     state = copy.deepcopy(model.state_dict())
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_worker, args=(_free_port(), state, mode, out), nprocs=WORLD, join=True)
-        found = dict(out)
+    found = _spawn(_worker, state, mode)
     # one process over every rank's data: DDP averages the ranks' gradients, each from half the batch
     reference = Net()
     reference.load_state_dict(state)
@@ -131,10 +144,7 @@ def _fsdp_batches() -> list[torch.Tensor]:
 def _fsdp_worker(rank: int, port: int, state: dict, out: dict) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
+    with _group(rank, port):
         model = Blocks()
         model.load_state_dict(state)
         # the order users follow: plan each block's activations, then shard each block and the root
@@ -146,18 +156,13 @@ def _fsdp_worker(rank: int, port: int, state: dict, out: dict) -> None:
             model(batch[rank::WORLD]).sum().backward()
         out[rank] = {name.replace(".model.", "."): p.grad.full_tensor().clone() for name, p in model.named_parameters()}
         out[f"plans{rank}"] = [len(block._plans) for block in model.blocks]
-    finally:
-        dist.destroy_process_group()
 
 
 def test_fully_shard_over_planned_blocks_gives_one_processs_gradients():
     torch.manual_seed(0)
     reference = Blocks()
     state = copy.deepcopy(reference.state_dict())
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_fsdp_worker, args=(_free_port(), state, out), nprocs=WORLD, join=True)
-        found = dict(out)
+    found = _spawn(_fsdp_worker, state)
     for batch in _fsdp_batches():
         (reference(batch).sum() / WORLD).backward()
     expected = {name: p.grad for name, p in reference.named_parameters()}
