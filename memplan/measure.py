@@ -24,6 +24,10 @@ Method on CPU (a deterministic byte count)
     wrapper's). The callback subtracts the bytes from the live count at once and reports them as
     ``freed`` in the next event. The peak is the largest live count right after an op's outputs
     were added, which is the maximum over time because the count only grows at those moments.
+(4) A dispatch mode changes what some of autograd's formulas run (the gradients of ``max`` over a
+    dimension, ``gather``, indexing, ``topk``...: written into zeros in place in eager, out of place
+    under a mode). The mode runs them in place, as eager does (:mod:`memplan._capture.formulas`), so
+    the count is eager's; :func:`allocator_peak`, which needs no mode, checks it.
 
 Method on CUDA
 --------------
