@@ -853,11 +853,19 @@ class PassManager:
             before = source
             rest = ",".join(p for j, p in enumerate(passes) if j not in skipped)
         where = self.reproducer_dir / f"memplan-repro-{failure.name}" if self.reproducer_dir is not None else None
-        try:
-            path = save_reproducer(before, rest, where, name=failure.name)
-        except Exception as exc:  # noqa: BLE001 - e.g. a graph holding an object torch.save cannot pickle
-            path = None
-            self._unsaved[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+        everything = ",".join(p for j, p in enumerate(passes) if j not in skipped)
+        # the graph the failing pass was given; else (a pass's modules holding what torch.save cannot pickle,
+        # such as a chunk loop's decomposed ops) the first graph, with every pass to replay from it
+        attempts = [(before, rest)] + ([(source, everything)] if before is not source else [])
+        path = None
+        for graph_to_save, pipeline in attempts:
+            try:
+                path = save_reproducer(graph_to_save, pipeline, where, name=failure.name)
+                break
+            except Exception as exc:  # noqa: BLE001 - reported with the failure, never in its place
+                self._unsaved[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+        if path is not None:
+            self._unsaved.pop(key, None)
         self._rolled_back[key] = path
         return path
 

@@ -649,3 +649,23 @@ def test_elements_overlap_is_exact_for_strided_views(data):
         assert found == exact
     else:
         assert found or not exact
+
+
+def test_a_graph_torch_save_cannot_pickle_is_reproduced_from_the_first_graph(temporary_dir):
+    # a chunk loop over a cross-entropy holds torch's decomposition of nll_loss, which pickle cannot find
+    # by name: the reproducer is the captured graph with every pass, and replays the failure
+    from memplan.errors import PassRolledBackWarning
+
+    import pathlib
+
+    from memplan.examples import make
+
+    workload = make("seq2seq", size="small")
+    graph = capture(workload.model, *workload.inputs)
+    with pytest.warns(PassRolledBackWarning) as caught:
+        PassManager("chunk,_test_raises", on_failure="rollback").run(graph)
+    warning = _rolled_back(caught, "_test_raises")
+    assert warning.reproducer is not None and "could not be saved" not in str(warning)
+    assert (pathlib.Path(warning.reproducer) / "pipeline.txt").read_text().strip() == "chunk,_test_raises"
+    with pytest.raises(PassError, match="_test_raises' raised ValueError"):
+        replay(warning.reproducer)
