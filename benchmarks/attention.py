@@ -29,9 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import memplan
-from memplan.bench import interleaved_medians
+from memplan.bench import side_by_side
 from memplan.measure import format_bytes
-from memplan.steps import step_fn
 from memplan.testing import assert_equivalent
 
 __all__ = ["MODELS", "SIZES", "GPT2Block", "EinsumBlock", "build", "main"]
@@ -119,10 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         assert_equivalent(model, fused, *inputs)
         assert_equivalent(model, opt, *inputs)  # (plans on its first call)
         variants = {"eager": model, "memplan": opt, "sdpa": fused}
-        steps = {label: step_fn(m, inputs, train=True) for label, m in variants.items()}
-        peaks = {label: memplan.measure(step).peak for label, step in steps.items()}
-        times = dict(zip(steps, interleaved_medians(list(steps.values()), args.repeats, torch.device("cpu"))))
-        for label in steps:
+        peaks, times = side_by_side(variants, inputs, args.repeats)
+        for label in variants:
             plan = f"{opt.plan.plan_seconds:7.1f}" if label == "memplan" else ""
             print(f"{name:8s} {label:8s} {format_bytes(peaks[label]):>10s} {peaks['eager'] / peaks[label]:6.2f}x "
                   f"{times[label] * 1e3:7.1f}ms {times[label] / times['eager']:7.2f}x {plan}", flush=True)

@@ -28,9 +28,8 @@ import torch.utils.checkpoint as checkpoint
 from torch import nn
 
 import memplan
-from memplan.bench import interleaved_medians
+from memplan.bench import side_by_side
 from memplan.measure import format_bytes
-from memplan.steps import step_fn
 
 __all__ = ["MODELS", "Checkpointed", "build", "main"]
 
@@ -175,11 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         segment = max(1, round(math.sqrt(inputs[0].shape[0])))
         opt = memplan.optimize(model)
         variants = {"eager": model, "memplan": opt, f"ckpt {segment}": Checkpointed(model, segment)}
-        steps = {label: step_fn(m, inputs, train=True) for label, m in variants.items()}
-        steps["memplan"]()  # plans on the first call
-        peaks = {label: memplan.measure(step).peak for label, step in steps.items()}
-        times = dict(zip(steps, interleaved_medians(list(steps.values()), args.repeats, torch.device("cpu"))))
-        for label in steps:
+        peaks, times = side_by_side(variants, inputs, args.repeats)
+        for label in variants:
             plan = f"{opt.plan.plan_seconds:7.1f}" if label == "memplan" else ""
             print(f"{name:14s} {label:12s} {format_bytes(peaks[label]):>10s} {peaks['eager'] / peaks[label]:6.2f}x "
                   f"{times[label] / times['eager']:6.2f} {plan}", flush=True)

@@ -45,11 +45,10 @@ from torch import nn
 import memplan
 import memplan.passes.rewrite as rewrite_pass
 from memplan.analysis.explain import explain_peak
-from memplan.bench import interleaved_medians
+from memplan.bench import side_by_side
 from memplan.capture import capture
 from memplan.measure import format_bytes
 from memplan.passes._rewrite.linear_ce import LinearCrossEntropy, find_linear_cross_entropy
-from memplan.steps import step_fn
 from memplan.testing import assert_equivalent
 
 __all__ = ["VocabHead", "HandWrittenHead", "ChunkedLinearCrossEntropy", "SIZES", "main"]
@@ -152,16 +151,12 @@ def head_benchmark(size: str, repeats: int) -> None:
     hand_chunk = -(-s["tokens"] // chunks)
     variants["hand"] = HandWrittenHead(model, chunk=hand_chunk)
     assert_equivalent(model, variants["hand"], *inputs)
-    steps = {label: step_fn(m, inputs, train=True) for label, m in variants.items()}
-    for step in steps.values():
-        step()  # memplan plans on its first call
-    peaks = {label: memplan.measure(step).peak for label, step in steps.items()}
-    times = dict(zip(steps, interleaved_medians(list(steps.values()), repeats, torch.device("cpu"))))
+    peaks, times = side_by_side(variants, inputs, repeats)
     logits = s["tokens"] * s["vocab"] * 4
     print(f"head: {s['tokens']} tokens, hidden {s['hidden']}, vocab {s['vocab']} (logits {format_bytes(logits)}), "
           f"{torch.get_num_threads()} thread(s)")
     print(f"{'variant':14s} {'peak':>11s} {'lower':>7s} {'time':>6s}  notes")
-    for label in steps:
+    for label in variants:
         note = ""
         if label.startswith("memplan"):
             plan = variants[label].plan
@@ -228,13 +223,11 @@ def gpt2_benchmark(repeats: int) -> None:
         variants[label] = opt
     for label in ("memplan before", "memplan after"):
         assert_equivalent(model, variants[label], ids)
-    steps = {label: step_fn(m, (ids,), train=True) for label, m in variants.items()}
-    peaks = {label: memplan.measure(step).peak for label, step in steps.items()}
-    times = dict(zip(steps, interleaved_medians(list(steps.values()), repeats, torch.device("cpu"))))
+    peaks, times = side_by_side(variants, (ids,), repeats)
     print(f"\ngpt2: GPT2LMHeadModel, 2 layers, width 64, vocab {vocab}, sequence {seq}, batch {batch}; "
           f"{'found' if heads else 'no'} head pattern ({', '.join(str(h) for h in heads) or '-'})")
     print(f"{'variant':16s} {'peak':>11s} {'lower':>7s} {'time':>6s} {'predicted':>11s} {'head share':>18s}  plan s")
-    for label in steps:
+    for label in variants:
         if label == "eager":
             print(f"{label:16s} {format_bytes(peaks[label]):>11s} {1.0:6.2f}x {1.0:6.2f}")
             continue

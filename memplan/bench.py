@@ -204,6 +204,19 @@ def interleaved_medians(
     return [statistics.median(t) for t in times]
 
 
+def side_by_side(variants: dict[str, Callable[..., Any]], inputs: Any, repeats: int,
+                 device: torch.device = torch.device("cpu")) -> tuple[dict[str, int], dict[str, float]]:
+    """Each variant's training step (:func:`memplan.steps.step_fn` on ``inputs``): its peak by
+    :func:`memplan.measure` and its median time (:func:`interleaved_medians`), keyed by label. Every step
+    runs once first, so an optimized module has planned before it is measured."""
+    steps = {label: step_fn(model, inputs, train=True) for label, model in variants.items()}
+    for step in steps.values():
+        step()
+    peaks = {label: measure(step).peak for label, step in steps.items()}
+    times = dict(zip(steps, interleaved_medians(list(steps.values()), repeats, device)))
+    return peaks, times
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)} ({device})"
