@@ -23,7 +23,7 @@ from memplan.analysis.liveness import Liveness
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation, SimEvent
 from memplan.analysis.tensors import Tensors, parameter_bytes
-from memplan.capture import CapturedGraph, Phase, capture, on_target
+from memplan.capture import CapturedGraph, Phase, capture, on_target, refuse_compiled
 from memplan.graphutil import graph_device
 from memplan.measure import format_bytes
 from memplan.report.data import build_report
@@ -157,7 +157,5 @@ def analyze(
     >>> analyze(torch.nn.Linear(256, 250), torch.randn(3, 256), train=False, device="cuda").peak
     3072
     """
-    from memplan.api import refuse_compiled
-
     refuse_compiled(model, "memplan.analyze(model, ...)")
     return MemoryAnalysis.from_graph(on_target(capture(model, *inputs, train=train, target_device=device, **kwargs)))

@@ -34,7 +34,9 @@ from memplan.analysis.cost import CostRates
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation
 from memplan.analysis.tensors import Tensors, parameter_bytes
-from memplan.capture import TRACING, CapturedGraph, capture, check_leaves, is_static_leaf, leaf_paths, on_target
+from memplan.capture import (
+    TRACING, CapturedGraph, capture, check_leaves, is_static_leaf, leaf_paths, on_target, refuse_compiled,
+)
 from memplan.emit import Emitted, emit, run_inference, run_training
 from memplan.errors import CaptureError, TargetDeviceError, UnsupportedInputError
 from memplan.measure import format_bytes
@@ -742,17 +744,6 @@ def _collector_paused():
     finally:
         if enabled:
             gc.enable()
-
-
-def refuse_compiled(model: Any, call: str) -> None:
-    """A clear error for a module ``torch.compile`` wrapped, which memplan cannot trace."""
-    if type(model).__name__ == "OptimizedModule" and type(model).__module__.startswith("torch._dynamo"):
-        raise CaptureError(
-            "memplan traces a model's own code, and torch.compile's wrapper cannot be traced. Fix: pass "
-            f"the module itself, {call} (a compiled module keeps it as ._orig_mod); to plan inside "
-            'torch.compile, compile with backend="memplan" or memplan.compile.backend(), whose .plans say '
-            "what memplan did to each graph."
-        )
 
 
 def optimize(

@@ -89,6 +89,7 @@ __all__ = [
     "caller_line",
     "TRACING",
     "on_target",
+    "refuse_compiled",
     "leaf_paths",
     "STATIC_TYPES",
     "AUTOCAST_KINDS",
@@ -768,6 +769,17 @@ def capture(
         captured = dataclasses.replace(captured, target_device=target.device)
     _refuse_random_recomputation(captured)
     return captured
+
+
+def refuse_compiled(model: Any, call: str) -> None:
+    """A clear error for a module ``torch.compile`` wrapped, which memplan cannot trace."""
+    if type(model).__name__ == "OptimizedModule" and type(model).__module__.startswith("torch._dynamo"):
+        raise CaptureError(
+            "memplan traces a model's own code, and torch.compile's wrapper cannot be traced. Fix: pass "
+            f"the module itself, {call} (a compiled module keeps it as ._orig_mod); to plan inside "
+            'torch.compile, compile with backend="memplan" or memplan.compile.backend(), whose .plans say '
+            "what memplan did to each graph."
+        )
 
 
 def on_target(graph: CapturedGraph) -> CapturedGraph:
