@@ -163,20 +163,15 @@ def free_bytes(device: torch.device, cap: int | None = None) -> int | None:
 def step_peak(step: Callable[[], Any], device: torch.device) -> int:
     """Peak bytes allocated during one call of ``step`` above what was allocated before it.
 
-    CUDA: the caching allocator's counters, ``torch.cuda.max_memory_allocated`` after
-    ``torch.cuda.reset_peak_memory_stats``, less ``torch.cuda.memory_allocated`` before the step, with
-    the device synchronised on both sides (the numbers :func:`memplan.measure` reports on CUDA, read
-    without its dispatch mode, which compiled code would not pass through). CPU: :func:`memplan.measure`,
+    CUDA: :func:`memplan.measure.allocator_peak` (``torch.cuda.max_memory_allocated`` after
+    ``reset_peak_memory_stats``, less ``memory_allocated`` before the step, the device synchronised on both
+    sides: the numbers :func:`memplan.measure` reports on CUDA, read without its dispatch mode, which
+    compiled code would not pass through). CPU: :func:`memplan.measure`,
     the deterministic byte count.
     """
     if device.type != "cuda":
         return measure(step).peak
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    step()
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - before
+    return allocator_peak(step, device=device)
 
 
 #: ``torch.compile(model, backend="memplan")`` runs beside eager and memplan.optimize on workloads whose captured
