@@ -52,11 +52,12 @@ tensor([[ 2.,  4.],
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
 
-__all__ = ["grouped_addmm_"]
+__all__ = ["grouped_addmm_", "grouped_addmm_blocks"]
 
 _LIBRARY = torch.library.Library("memplan", "DEF")
 _LIBRARY.define(
@@ -103,17 +104,29 @@ def _csr(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, size: tupl
     return matrix
 
 
+def grouped_addmm_blocks(out: torch.Tensor, cols: torch.Tensor, scatter: bool, workspace: torch.Tensor) -> tuple[int, int]:
+    """How ``grouped_addmm_`` splits its work, from the shapes alone (fake tensors too): ``(groups, blocks)``.
+    ``groups`` > 0: the compressed-row path, ``groups`` rows of ``out`` a block (the workspace's int32 view
+    holds their offsets); 0: the coordinate path, ``workspace.shape[1]`` entries a block. Each block is a
+    few ops from Python (the time model prices them: :mod:`memplan.analysis.cost`)."""
+    block = max(1, int(workspace.shape[1]))
+    if not scatter and cols.dtype == torch.int32 and out.is_contiguous():
+        groups = 4 * block - 1  # int64 (2, block) viewed as int32: groups + 1 offsets
+        return groups, math.ceil(int(out.shape[0]) / groups)
+    return 0, math.ceil(int(cols.numel()) / block)
+
+
 def _grouped_addmm_(out: torch.Tensor, cols: torch.Tensor, values: torch.Tensor, dense: torch.Tensor,
                     per_group: int, scatter: bool, workspace: torch.Tensor) -> torch.Tensor:
     _check(out, cols, values, dense, per_group, scatter, workspace)
     nnz, block = cols.numel(), workspace.shape[1]
     flat = workspace.view(-1)
-    if not scatter and cols.dtype == torch.int32 and out.is_contiguous():
+    groups, _ = grouped_addmm_blocks(out, cols, scatter, workspace)
+    if groups:
         # compressed rows: offsets of `groups` rows in the workspace (as int32), columns and values as
         # they are (check_invariants=False: no pass over the indices; the columns are in range by
         # construction of the graphs that call this, and the kernel reads only those)
         offsets = flat.view(torch.int32)
-        groups = offsets.numel() - 1
         for first in range(0, out.shape[0], groups):
             n = min(groups, out.shape[0] - first)
             lo, hi = first * per_group, (first + n) * per_group

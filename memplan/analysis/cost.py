@@ -37,6 +37,7 @@ import torch.fx
 
 from memplan.capture import CapturedGraph, Phase
 from memplan.graphutil import ALIAS_OPS, is_tensor, nbytes, packet_name, shape_of
+from memplan.ops import grouped_addmm_blocks
 
 __all__ = [
     "CostRates",
@@ -192,17 +193,13 @@ _GROUPED_ADDMM_CSR_CALLS = 4
 
 
 def _grouped_addmm_rounds(node: torch.fx.Node) -> float:
-    """Dispatches ``memplan::grouped_addmm_`` makes beyond its own: blocks of entries (coordinates as
-    wide as its workspace), or blocks of output rows on its compressed-row path."""
-    out, cols, values, dense, per_group, scatter, workspace = (
+    """Dispatches ``memplan::grouped_addmm_`` makes beyond its own (:func:`memplan.ops.grouped_addmm_blocks`)."""
+    out, cols, _values, _dense, _per_group, scatter, workspace = (
         a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args[:7])
     if not all(isinstance(t, torch.Tensor) for t in (out, cols, workspace)) or workspace.dim() != 2:
         return 0.0
-    block = max(1, int(workspace.shape[1]))
-    if not scatter and cols.dtype == torch.int32 and out.is_contiguous():
-        groups = max(1, 4 * block - 1)  # the workspace's int32 view holds groups + 1 row offsets
-        return math.ceil(int(out.shape[0]) / groups) * _GROUPED_ADDMM_CSR_CALLS
-    return math.ceil(int(cols.numel()) / block) * _GROUPED_ADDMM_COO_CALLS
+    groups, blocks = grouped_addmm_blocks(out, cols, scatter, workspace)
+    return blocks * (_GROUPED_ADDMM_CSR_CALLS if groups else _GROUPED_ADDMM_COO_CALLS)
 
 
 def op_flops(node: torch.fx.Node) -> int:
