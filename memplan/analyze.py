@@ -24,7 +24,7 @@ from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation, SimEvent
 from memplan.analysis.tensors import Tensors, parameter_bytes
 from memplan.capture import CapturedGraph, Phase, capture, on_target, refuse_compiled
-from memplan.graphutil import graph_device
+from memplan.graphutil import run_device
 from memplan.measure import format_bytes
 from memplan.report.data import build_report
 
@@ -59,7 +59,7 @@ class MemoryAnalysis:
     def device(self) -> torch.device:
         """The device the prediction is for (where the graph's tensors are, or will be: see
         :attr:`memplan.capture.CapturedGraph.target_device`)."""
-        return self.graph.target_device or graph_device(self.graph)
+        return run_device(self.graph)
 
     @property
     def allocator(self) -> AllocatorModel:

@@ -31,6 +31,7 @@ __all__ = [
     "is_tensor",
     "nbytes",
     "graph_device",
+    "run_device",
     "next_seq_nr",
     "packet_name",
     "is_random",
@@ -85,6 +86,12 @@ def graph_device(graph: CapturedGraph) -> torch.device:
             if isinstance(value, torch.Tensor):
                 return value.device
     return torch.device("cpu")
+
+
+def run_device(graph: CapturedGraph) -> torch.device:
+    """The device the graph's plan runs on: the target of a graph traced on a stand-in device
+    (:attr:`CapturedGraph.target_device`), else its tensors' device."""
+    return graph.target_device or graph_device(graph)
 
 
 def next_seq_nr(graph: CapturedGraph) -> int:

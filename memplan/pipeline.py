@@ -50,7 +50,7 @@ from memplan.analysis.peak import PeakSimulation, step_margin
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph, InputSpec, OutputSpec, Phase, SourceLine, is_user_frame
 from memplan.errors import InfeasibleBudgetError, PassError, PassRolledBackWarning
-from memplan.graphutil import copy_graph, create_node, graph_device, is_pure_view, mutated_args
+from memplan.graphutil import copy_graph, create_node, is_pure_view, mutated_args, run_device
 from memplan.measure import format_bytes
 from memplan.policy import Policy
 
@@ -726,7 +726,7 @@ class PassManager:
         # Rolling back, a failed last check runs the passes again with the check after each, which
         # names the pass to roll back: the cost falls on the run that found a broken pass.
         stepwise = self.reproducer_dir is not None
-        rates = rates_for(self.rates, graph.target_device or graph_device(graph))  # a stand-in trace: its target's
+        rates = rates_for(self.rates, run_device(graph))
         timing = (rates, eager_seconds(pristine if pristine is not None else graph, rates))
         source = None
         if rollback or stepwise:

@@ -126,7 +126,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation
 from memplan.capture import CapturedGraph, Phase
-from memplan.graphutil import graph_device, mutated_args, packet_name
+from memplan.graphutil import mutated_args, packet_name, run_device
 from memplan.opschema import is_view_op
 from memplan.ops import grouped_addmm_
 from memplan.passes._chunk.graphs import copy_graph, fake_call, fake_mode_of
@@ -727,7 +727,7 @@ class _MaxSpec:
 
 def _matmul_max_fn(pattern: MatmulMax, graph: CapturedGraph) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     steps = tuple((n.target, tuple(n.args[1:]), dict(n.kwargs)) for n in (graph.node(c) for c in pattern.chain))
-    spec = _MaxSpec(pattern, steps, graph.target_device or graph_device(graph))
+    spec = _MaxSpec(pattern, steps, run_device(graph))
     return lambda left, right: _MatmulMaxFunction.apply(left, right, spec)
 
 
