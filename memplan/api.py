@@ -58,7 +58,11 @@ __all__ = ["optimize", "OptimizedModule", "Plan", "DEFAULT_PIPELINE"]
 # timesteps before remat: remat's cut, taken first, recomputes an unrolled loop's cheap ops and leaves
 # timesteps nothing it can checkpoint at a lower peak (a 2-layer LSTMCell loop: 1.38x lower than eager in
 # that order, 3.65x in this one); on the examples this order is as low or lower.
-DEFAULT_PIPELINE: tuple[str, ...] = ("rewrite", "chunk", "timesteps", "remat", "inplace", "concat", "schedule")
+# offload after the order is final: it places its copies and waits by position, and moves what the
+# recomputing passes kept, only for a budget they did not meet cheaply, and only where there is a host
+# tier (CUDA).
+DEFAULT_PIPELINE: tuple[str, ...] = ("rewrite", "chunk", "timesteps", "remat", "inplace", "concat", "schedule",
+                                     "offload")
 
 
 @dataclasses.dataclass(frozen=True)

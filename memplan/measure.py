@@ -18,7 +18,9 @@ Method on CPU (a deterministic byte count)
     storage that was not seen before and does not alias one of the op's inputs is new: its
     ``nbytes()`` are added to the live count. Views and in-place ops return an existing storage,
     so they allocate nothing; a tracked storage whose size changed (``resize_``, ``out=``
-    variants) is charged the difference.
+    variants) is charged the difference. The host copy ``memplan::offload`` makes of an activation
+    (:mod:`memplan.ops`, the emulated host tier of a plan) is host memory, not the device's: it is
+    tracked and never charged, as on CUDA, where the caching allocator does not see pinned memory.
 (3) Each new storage gets a ``weakref`` whose callback fires when the C++ storage dies (torch keeps
     one Python object per live storage, so the weakref follows the C++ lifetime, not the Python
     wrapper's). The callback subtracts the bytes from the live count at once and reports them as
@@ -69,6 +71,7 @@ from torch.utils._pytree import tree_leaves
 
 from memplan._capture.formulas import EagerFormulas
 from memplan.errors import UnsupportedInputError
+from memplan.ops import HOST_OPS
 
 __all__ = ["MemoryEvent", "Measurement", "measure", "allocator_peak", "measured_snapshot", "format_bytes"]
 
@@ -361,6 +364,9 @@ class _MeasureMode(TorchDispatchMode):
                     size = storage.nbytes()
                     if size != known[1]:
                         allocated += ledger.resize(key, size)
+                    continue
+                if func in HOST_OPS:  # the host tier (an offloaded activation) is not the device's memory
+                    ledger.register(storage, pre_existing=True)
                     continue
                 if input_keys is None:
                     input_keys = _storage_keys(args, kwargs)

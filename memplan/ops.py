@@ -48,6 +48,32 @@ tensor([[5., 8.],
 >>> torch.ops.memplan.grouped_addmm_(torch.zeros(2, 2), cols, values, dense, 2, True, workspace)
 tensor([[ 2.,  4.],
         [ 7., 10.]])
+
+The host tier: four operators that the ``offload`` pass (:mod:`memplan.passes.offload`) puts around a
+saved activation, so that it waits in host memory between the forward and the backward.
+
+``host = torch.ops.memplan.offload(x)``
+    Starts copying ``x`` into a new host tensor of the same shape and strides (pinned, for a CUDA ``x``)
+    on a side stream that first waits for the current one, and returns it. ``x`` must stay alive until
+    ``offload_wait_``.
+``host = torch.ops.memplan.offload_wait_(host, x)``
+    Makes the current stream wait for that copy; after it, ``x`` may be freed and its memory reused.
+    Returns ``host`` (the copy is done: declared as a write).
+``dev = torch.ops.memplan.prefetch(host, device)``
+    Allocates ``dev`` on ``device`` (on the current stream) and starts copying ``host`` into it on another
+    side stream, after the work already queued on the current one.
+``dev = torch.ops.memplan.prefetch_wait_(dev)``
+    Makes the current stream wait for that copy; every reader reads its result.
+
+Between a copy's start and its wait, the current stream runs the graph's other ops: the transfer
+overlaps them. On a CPU there are no streams: the copies are made at once and the waits do nothing
+(the emulated host tier, which :mod:`memplan.measure` and memplan's analyses do not count as memory
+of the device).
+
+>>> x = torch.arange(4.0)
+>>> host = torch.ops.memplan.offload_wait_(torch.ops.memplan.offload(x), x)
+>>> torch.ops.memplan.prefetch_wait_(torch.ops.memplan.prefetch(host, torch.device("cpu")))
+tensor([0., 1., 2., 3.])
 """
 
 from __future__ import annotations
@@ -57,7 +83,8 @@ import warnings
 
 import torch
 
-__all__ = ["grouped_addmm_", "grouped_addmm_blocks"]
+__all__ = ["grouped_addmm_", "grouped_addmm_blocks", "offload", "offload_wait_", "prefetch", "prefetch_wait_",
+           "HOST_OPS", "TIER_OPS"]
 
 _LIBRARY = torch.library.Library("memplan", "DEF")
 _LIBRARY.define(
@@ -159,3 +186,108 @@ _LIBRARY.impl("grouped_addmm_", _grouped_addmm_, "CompositeExplicitAutograd")
 _LIBRARY.impl("grouped_addmm_", _grouped_addmm_fake, "Meta")
 
 grouped_addmm_ = torch.ops.memplan.grouped_addmm_.default
+
+
+# ----------------------------------------------------------------------------------------------
+# the host tier (see the module docstring)
+
+_LIBRARY.define("offload(Tensor x) -> Tensor")
+_LIBRARY.define("offload_wait_(Tensor(a!) host, Tensor x) -> Tensor(a!)")
+_LIBRARY.define("prefetch(Tensor host, Device device) -> Tensor")
+_LIBRARY.define("prefetch_wait_(Tensor(a!) x) -> Tensor(a!)")
+
+# a copy in flight: (device, data pointer of its destination) -> the event recorded after it
+_PENDING: dict[tuple[str, int], torch.cuda.Event] = {}
+_SIDE_STREAMS: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device, direction: str) -> torch.cuda.Stream:
+    """One side stream per device and direction (to the host, from it): copies in one direction run
+    one after another, as the copy engines do."""
+    key = (device, direction)
+    stream = _SIDE_STREAMS.get(key)
+    if stream is None:
+        stream = _SIDE_STREAMS[key] = torch.cuda.Stream(device)
+    return stream
+
+
+def _copy_async(dst: torch.Tensor, src: torch.Tensor, cuda: torch.device, direction: str) -> None:
+    """``dst.copy_(src)`` on a side stream of ``cuda`` that first waits for the work queued on the current
+    stream (which made ``src`` and last used ``dst``'s memory); the event after it waits in ``_PENDING``."""
+    side = _side_stream(cuda, direction)
+    side.wait_stream(torch.cuda.current_stream(cuda))
+    with torch.cuda.stream(side):
+        dst.copy_(src, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(side)
+    _PENDING[(str(dst.device), dst.data_ptr())] = event
+
+
+def _wait(tensor: torch.Tensor, cuda: torch.device) -> None:
+    event = _PENDING.pop((str(tensor.device), tensor.data_ptr()), None)
+    if event is not None:
+        torch.cuda.current_stream(cuda).wait_event(event)
+
+
+def _offload(x: torch.Tensor) -> torch.Tensor:
+    host = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu", pin_memory=x.is_cuda)
+    if x.is_cuda:
+        _copy_async(host, x, x.device, "to host")
+    else:
+        host.copy_(x)
+    return host
+
+
+def _offload_wait_(host: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if x.is_cuda:
+        _wait(host, x.device)
+    return host
+
+
+def _prefetch(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    dev = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
+    if dev.is_cuda:
+        _copy_async(dev, host, dev.device, "from host")
+    else:
+        dev.copy_(host)
+    return dev
+
+
+def _prefetch_wait_(x: torch.Tensor) -> torch.Tensor:
+    if x.is_cuda:
+        _wait(x, x.device)
+    return x
+
+
+def _offload_fake(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu")
+
+
+def _prefetch_fake(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
+
+
+def _returns_first(first: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+    return first
+
+
+_LIBRARY.impl("offload", _offload, "CompositeExplicitAutograd")
+_LIBRARY.impl("offload_wait_", _offload_wait_, "CompositeExplicitAutograd")
+_LIBRARY.impl("prefetch", _prefetch, "CompositeExplicitAutograd")
+_LIBRARY.impl("prefetch_wait_", _prefetch_wait_, "CompositeExplicitAutograd")
+# fake kernels that run under the fake mode itself: the copies change device, which a meta kernel
+# (its output on its inputs' device) cannot say
+torch.library.register_fake("memplan::offload", _offload_fake, lib=_LIBRARY)
+torch.library.register_fake("memplan::prefetch", _prefetch_fake, lib=_LIBRARY)
+_LIBRARY.impl("offload_wait_", _returns_first, "Meta")
+_LIBRARY.impl("prefetch_wait_", _returns_first, "Meta")
+
+offload = torch.ops.memplan.offload.default
+offload_wait_ = torch.ops.memplan.offload_wait_.default
+prefetch = torch.ops.memplan.prefetch.default
+prefetch_wait_ = torch.ops.memplan.prefetch_wait_.default
+
+#: The operator whose result lives in host memory: analyses and the ruler do not count it on the device.
+HOST_OPS = frozenset({offload})
+#: Every operator of the host tier.
+TIER_OPS = frozenset({offload, offload_wait_, prefetch, prefetch_wait_})

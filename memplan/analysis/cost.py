@@ -37,9 +37,10 @@ import torch.fx
 
 from memplan.capture import CapturedGraph, Phase
 from memplan.graphutil import ALIAS_OPS, is_tensor, nbytes, packet_name, shape_of
-from memplan.ops import grouped_addmm_blocks
+from memplan.ops import TIER_OPS, grouped_addmm_blocks
 
 __all__ = [
+    "STALL",
     "CostRates",
     "REFERENCE_CUDA_RATES",
     "REFERENCE_RATES",
@@ -66,7 +67,10 @@ class CostRates:
     through an index tensor (``index``, ``index_add_``, ``scatter``, ``gather``: element-wise loops
     that do not vectorise), plus a fixed overhead per op (``dispatch`` for ops that compute,
     ``view_dispatch`` for views, which allocate nothing), ``chunk_seconds`` per chunk of a loop, and
-    ``autograd_node`` per node eager's autograd records and runs (see :func:`eager_seconds`).
+    ``autograd_node`` per node eager's autograd records and runs (see :func:`eager_seconds`), and
+    ``host_bandwidth``, the bytes per second one copy between the device and host memory moves (pinned
+    memory over the host link on CUDA; a copy within memory on a CPU, the emulated host tier): what
+    the ``offload`` pass prices its transfers with.
 
     The reference rates were fitted on a shared 2-core CPU (torch 2.13, one thread) to the measured step
     times of the chunked examples at several chunk counts: the extra time grows by about 4 us per op
@@ -95,6 +99,7 @@ class CostRates:
     grain: int = 32768
     fork: float = 5e-6
     autograd_node: float = 6e-6
+    host_bandwidth: float = 5e9
     source: str = "reference"
 
     def resolved(self) -> "CostRates":
@@ -123,11 +128,12 @@ REFERENCE_RATES = CostRates()
 #: Python call, a dispatch and a kernel launch. Where an op costs far less on the GPU than on the CPU
 #: and the fixed costs stay, splitting work into chunks costs relatively more: a plan priced with the
 #: CPU's rates chunked maxsim 20x slower than eager on that H100. ``rates="calibrated"`` measures the
-#: GPU at hand instead.
+#: GPU at hand instead. ``host_bandwidth`` (pinned copies over the host link, one direction) is a
+#: PCIe 5.0 x16 link's usual 20 GB/s, not yet measured on that H100.
 REFERENCE_CUDA_RATES = CostRates(
     flops=50e12, bandwidth=3e12, cache_bandwidth=5e12, cache_bytes=32 * 2**20, index_element=2e-12,
     dispatch=8e-6, view_dispatch=2.5e-6, chunk_seconds=20e-6, threads=1, fork=0.0, autograd_node=9.5e-6,
-    source="reference cuda")
+    host_bandwidth=20e9, source="reference cuda")
 
 
 _NO_TRAFFIC = ALIAS_OPS | {"getitem", "_unsafe_view", "empty", "new_empty", "new_empty_strided", "empty_strided"}
@@ -261,6 +267,8 @@ def op_work(node: torch.fx.Node, scales: Callable[[torch.fx.Node], bool] = lambd
         return OpWork(none=True)
     if name in _NO_TRAFFIC:
         return OpWork(view=True)
+    if node.target in TIER_OPS:  # a copy started or waited for: its time is the wait's (see node_cost)
+        return OpWork()
     flops = op_flops(node)
     indexed = 0
     if name in _INDEXED_REDUCTIONS and not (name in ("max", "min") and node.target._overloadname == "default"):
@@ -291,20 +299,24 @@ def op_work(node: torch.fx.Node, scales: Callable[[torch.fx.Node], bool] = lambd
 
 
 _WORK = "memplan_work"  # node.meta key: (value, OpWork), the work of the value it was made from
+#: node.meta key of a host-tier wait (``memplan::offload_wait_``, ``prefetch_wait_``): the seconds the
+#: current stream is predicted to wait there for its copy, as the ``offload`` pass placed it
+STALL = "memplan_stall"
 
 
 def node_cost(node: torch.fx.Node, rates: CostRates) -> float:
-    """Estimated seconds of one op (see :class:`CostRates`).
+    """Estimated seconds of one op (see :class:`CostRates`); a host-tier wait adds the stall the
+    ``offload`` pass predicted for it (:data:`STALL`).
 
     Every planning pass prices most nodes of each graph, and a copy of a graph shares its nodes' fake
     values: the work is kept with the value it was read from."""
     value = node.meta.get("val")
     cached = node.meta.get(_WORK)
     if cached is not None and cached[0] is value and cached[2] is node.target:
-        return cached[1].price(rates)
+        return cached[1].price(rates) + node.meta.get(STALL, 0.0)
     work = op_work(node)
     node.meta[_WORK] = (value, work, node.target)
-    return work.price(rates)
+    return work.price(rates) + node.meta.get(STALL, 0.0)
 
 
 def submodule_cost(module: torch.nn.Module, rates: CostRates) -> float:
@@ -426,13 +438,28 @@ def calibrate(device: str | torch.device = "cpu") -> CostRates:
 
     autograd_node = max(0.0, (_timed(eager, 5, device) - _timed(ops, 5, device)) / steps)
     x.grad = None
+    host_bandwidth = _host_bandwidth(device)
     scale = dispatch / ref.dispatch  # the fixed costs of Python and dispatch move together
     return dataclasses.replace(
         ref, flops=flops, bandwidth=bandwidth, cache_bandwidth=cache_bandwidth, index_element=index_element,
         dispatch=dispatch, view_dispatch=view_dispatch, chunk_seconds=ref.chunk_seconds * scale,
-        fork=ref.fork * scale, autograd_node=autograd_node,
+        fork=ref.fork * scale, autograd_node=autograd_node, host_bandwidth=host_bandwidth,
         threads=torch.get_num_threads() if device.type == "cpu" else 1,
         source=f"calibrated {time.strftime('%Y-%m-%d')}")
+
+
+def _host_bandwidth(device: torch.device) -> float:
+    """Bytes per second of one copy of a 64 MiB tensor (16 MiB on a CPU) into host memory and back,
+    the slower direction: pinned memory over the host link on CUDA, a copy within memory on a CPU (the
+    emulated host tier)."""
+    cuda = device.type == "cuda"
+    numel = (2**24 if cuda else 2**22)
+    with torch.no_grad():
+        dev = torch.empty(numel, device=device)
+        host = torch.empty(numel, pin_memory=cuda)
+        seconds = max(_timed(lambda: host.copy_(dev, non_blocking=cuda), 3, device),
+                      _timed(lambda: dev.copy_(host, non_blocking=cuda), 3, device))
+    return 4 * numel / max(seconds, 1e-9)
 
 
 def _machine_key(device: torch.device) -> str:

@@ -7,7 +7,9 @@ placeholder or a constant owns it: it exists before the graph runs and is never 
 A storage's ``nbytes`` is what its device's allocator charges for it
 (:func:`memplan.analysis.allocator.allocator_for`): its exact size on the CPU, its size rounded up to the
 caching allocator's 512-byte blocks on CUDA (also for the values of a graph traced for CUDA on a stand-in
-device, ``CapturedGraph.target_device``). A tensor's ``nbytes`` is the bytes its view covers.
+device, ``CapturedGraph.target_device``). A storage in host memory (made by ``memplan::offload``,
+:data:`memplan.ops.HOST_OPS`: a saved activation waiting for the backward) costs the device nothing:
+``nbytes`` 0, ``host`` True. A tensor's ``nbytes`` is the bytes its view covers.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.fx
 from memplan.analysis.allocator import allocator_for
 from memplan.analysis.manager import Analysis, AnalysisManager
 from memplan.capture import CapturedGraph
+from memplan.ops import HOST_OPS
 
 __all__ = ["TensorInfo", "StorageInfo", "Tensors", "tensor_values", "parameter_bytes"]
 
@@ -54,6 +57,7 @@ class StorageInfo(NamedTuple):
     creator: str
     external: bool
     members: tuple[str, ...]
+    host: bool = False  # in host memory (``memplan::offload``): charged nothing on the device
 
 
 def tensor_values(node: torch.fx.Node) -> list[tuple[int | None, torch.Tensor]]:
@@ -102,6 +106,7 @@ class Tensors(Analysis):
         members: dict[int, list[str]] = {}
         devices: dict[int, torch.device] = {}
         tensors: dict[str, tuple[TensorInfo, ...]] = {}
+        host: set[int] = set()
         for node in graph.gm.graph.nodes:
             meta = node.meta
             value = meta.get("val")
@@ -126,6 +131,8 @@ class Tensors(Analysis):
                     sizes[sid] = nbytes
                     devices[sid] = device
                     members[sid] = [name]
+                    if node.target in HOST_OPS:
+                        host.add(sid)
                 else:
                     # a resize inside the graph can only grow what must be held
                     if nbytes > sizes[sid]:
@@ -142,8 +149,11 @@ class Tensors(Analysis):
             for sid, device in devices.items():
                 if device in rounding:
                     sizes[sid] = rounding[device](sizes[sid])
+        for sid in host:
+            sizes[sid] = 0
         storages = {
-            sid: StorageInfo(sid, sizes[sid], creators[sid], external[sid], tuple(members[sid])) for sid in sizes
+            sid: StorageInfo(sid, sizes[sid], creators[sid], external[sid], tuple(members[sid]), sid in host)
+            for sid in sizes
         }
         return cls(tensors=tensors, storages=storages)
 
