@@ -22,8 +22,6 @@ from memplan.fuzz import check_program, structural_program
 from memplan.measure import measure
 from memplan.ops import TIER_OPS, offload, offload_wait_, prefetch, prefetch_wait_
 from memplan.passes.offload import OffloadOptions, eligible, place, plan_offload
-from memplan.pipeline import PassManager
-from memplan.policy import Policy
 from memplan.steps import step_fn
 from memplan.testing import assert_equivalent, zoo
 
