@@ -18,8 +18,12 @@ Stages
     0.5), within a time limit of its own ("compile" tasks). These come after every workload's stage (3),
     because memplan's figures are what the check is for, and smallest captured graph first, because
     compile time grows with the traced graph: a budget running out cuts the ones least likely to compile.
+(5) Offload (an ``"offload"`` task): a deep MLP built by the worker, whose saved activations can wait in
+    pinned host memory while its matmuls run; memplan with the ``offload`` pass off, on, and recomputation
+    alone under a budget of the offload plan's peak, each checked against eager, with peaks, predictions
+    and step times (``--offload-limit 0`` skips it).
 
-Stages (3) and (4) run in a worker process (``benchmarks/cuda_check_worker.py``), restarted when one dies
+Stages (3) to (5) run in a worker process (``benchmarks/cuda_check_worker.py``), restarted when one dies
 or has to be killed, so a hang, a crash or a poisoned CUDA context costs one figure, not the check.
 
 Time
@@ -75,7 +79,7 @@ import memplan.examples as examples  # noqa: E402
 from memplan.measure import format_bytes  # noqa: E402
 from memplan.policy import parse_bytes  # noqa: E402
 
-__all__ = ["Limits", "DEFAULTS", "judge", "render_markdown", "main"]
+__all__ = ["Limits", "DEFAULTS", "judge", "judge_offload", "render_markdown", "main"]
 
 WORKER = pathlib.Path(__file__).resolve().with_name("cuda_check_worker.py")
 PREFIX = "@cuda_check "  # the worker's protocol lines (cuda_check_worker.PREFIX)
@@ -103,14 +107,15 @@ class Limits:
     compile: float
     repeats: int
     backend: str
+    offload: float
 
 
 #: ``cuda``: sized for an H100 at the ``full`` sizes (planning the 1000-step latent GRU takes half a minute of
 #: CPU; a compile that takes over a minute is not going to finish in the budget). ``cpu``: the dry run, where
 #: the compile limit only has to show that the limit works.
 DEFAULTS: dict[str, Limits] = {
-    "cuda": Limits(pytest=90, workload=150, compile=60, repeats=5, backend="inductor"),
-    "cpu": Limits(pytest=60, workload=120, compile=5, repeats=3, backend="aot_eager_decomp_partition"),
+    "cuda": Limits(pytest=90, workload=150, compile=60, repeats=5, backend="inductor", offload=90),
+    "cpu": Limits(pytest=60, workload=120, compile=5, repeats=3, backend="aot_eager_decomp_partition", offload=60),
 }
 
 
@@ -140,6 +145,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Defaults by device: " + "; ".join(
             f"{kind}: pytest {d.pytest:.0f} s, workload {d.workload:.0f} s, compile {d.compile:.0f} s, "
+            f"offload {d.offload:.0f} s, "
             f"{d.repeats} timed steps, backend {d.backend}" for kind, d in DEFAULTS.items()),
     )
     parser.add_argument("--out", required=True, help="folder for cuda_check.json, cuda_check.md and the logs")
@@ -151,6 +157,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--pytest-limit", type=float, help="seconds for the pytest stage")
     parser.add_argument("--workload-limit", type=float, help="seconds for one workload's eager and memplan runs")
     parser.add_argument("--compile-limit", type=float, help="seconds for one workload's torch.compile (0: skip)")
+    parser.add_argument("--offload-limit", type=float, help="seconds for the offload stage (0: skip)")
     parser.add_argument("--repeats", type=int, help="timed steps per variant")
     parser.add_argument("--compile-backend", help="torch.compile's backend")
     parser.add_argument("--activation-memory-budget", type=float, default=0.5,
@@ -170,7 +177,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--device must be cuda, cuda:N or cpu, got {args.device!r}")
     for field in dataclasses.fields(Limits):
         option = {"pytest": "pytest_limit", "workload": "workload_limit", "compile": "compile_limit",
-                  "backend": "compile_backend"}.get(field.name, field.name)
+                  "backend": "compile_backend", "offload": "offload_limit"}.get(field.name, field.name)
         if getattr(args, option) is None:
             setattr(args, option, getattr(DEFAULTS[kind], field.name))
     return args
@@ -263,6 +270,58 @@ def judge(workload: dict[str, Any]) -> list[str]:
     return failures
 
 
+#: The variants of the offload stage, in its table's order.
+OFFLOAD_VARIANTS = ("kept", "offload", "recompute")
+
+
+def judge_offload(record: dict[str, Any]) -> list[str]:
+    """The checks the offload stage failed: the task raised or timed out; a plan's outputs or gradients
+    differ from eager's; a plan's measured peak is above its prediction by more than the tolerance, or above
+    eager's. That offload moved nothing, or that recomputation alone could not reach its peak, is a figure."""
+    failures = []
+    if record.get("error"):
+        failures.append(f"raised {record['error']} (during {record.get('phase', '?')})")
+    eager = record.get("eager_peak")
+    for label in OFFLOAD_VARIANTS:
+        if record.get(f"{label}_verify") in ("rolled back", "differs"):
+            failures.append(f"{label}: verify=True {record[f'{label}_verify']}: {record.get(f'{label}_verify_note')}")
+        peak, planned = record.get(f"{label}_peak"), record.get(f"{label}_planned")
+        if _above(peak, planned):
+            failures.append(f"{label}: peak {format_bytes(peak)} is {peak / planned - 1:.1%} above the plan's "
+                            f"{format_bytes(planned)}")
+        if eager is not None and peak is not None and peak > eager:
+            failures.append(f"{label}: peak {format_bytes(peak)} is above eager's {format_bytes(eager)}")
+    return failures
+
+
+def _offload_lines(record: dict[str, Any]) -> list[str]:
+    """The offload stage's table: one row per variant that ran."""
+    if record.get("eager_peak") is None:
+        note = record.get("note") or record.get("error")
+        return [f"Offload stage ({record['name']}): {record['status']}" + (f", {note}" if note else "") + "."]
+    eager_s = record.get("eager_seconds")
+    lines = [f"Offload stage ({record['name']}, `{record['size']}` size): eager's peak {format_bytes(record['eager_peak'])}"
+             + (f", step {eager_s * 1e3:.1f} ms" if eager_s else "") + ".", "",
+             "| plan | moved to host | planned | measured peak | lower by | step time / eager | predicted time / eager | verify |",
+             "|---|---|---|---|---|---|---|---|"]
+    for label in OFFLOAD_VARIANTS:
+        if record.get(f"{label}_planned") is None:
+            if record.get(f"{label}_note"):
+                lines.append(f"| {label} | - | - | - | - | - | - | {record[f'{label}_note']} |")
+            continue
+        peak, seconds = record.get(f"{label}_peak"), record.get(f"{label}_seconds")
+        predicted = _ratio(record.get(f"{label}_predicted_time"), record.get("eager_predicted_time"))
+        lines.append("| " + " | ".join([
+            label, f"{record.get(f'{label}_moved', 0)} ({_bytes(record.get(f'{label}_moved_bytes'))})",
+            _bytes(record.get(f"{label}_planned")), _bytes(peak),
+            "-" if not peak else f"{record['eager_peak'] / peak:.2f}x",
+            "-" if _ratio(seconds, eager_s) is None else f"{seconds / eager_s:.2f}x",
+            "-" if predicted is None else f"{predicted:.2f}x", str(record.get(f"{label}_verify")),
+        ]) + " |")
+    lines += [f"- FAILED: {f}" for f in record.get("failures", [])]
+    return lines
+
+
 def _bytes(n: int | None) -> str:
     return "-" if n is None else format_bytes(n)
 
@@ -348,6 +407,8 @@ def render_markdown(record: dict[str, Any]) -> str:
             notes.append(f"- {w['name']}: " + "; ".join(said) + ".")
     if notes:
         lines += ["", *notes]
+    if record.get("offload", {}).get("status", "pending") != "pending":
+        lines += ["", *_offload_lines(record["offload"])]
     return "\n".join(lines) + "\n"
 
 
@@ -379,6 +440,7 @@ class Run:
                 "device": args.device, "size": args.size, "repeats": args.repeats,
                 "pytest_args": args.pytest_args, "pytest_limit_s": args.pytest_limit,
                 "workload_limit_s": args.workload_limit, "compile_limit_s": args.compile_limit,
+                "offload_limit_s": args.offload_limit,
                 "compile_backend": args.compile_backend, "activation_memory_budget": args.activation_memory_budget,
                 "free_memory": args.free_memory, "prediction_tolerance": PREDICTION_TOLERANCE,
                 "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
@@ -386,6 +448,7 @@ class Run:
             "pytest": {"status": "pending"},
             "workloads": [{"name": name, "size": args.size, "status": "pending", "compile": {"status": "pending"}}
                           for name in args.names],
+            "offload": {"name": "deep_mlp", "size": args.size, "status": "pending"},
             "failures": [],
         }
 
@@ -686,6 +749,7 @@ class Check:
             self._memplan(name)
         for name in self._compile_order():
             self._compile(name)
+        self._offload()
         self.pytest.wait()
 
     def stop(self, kill: bool = False) -> None:
@@ -802,6 +866,36 @@ class Check:
         self.run.say(_compile_line(w))
         self.run.write()
 
+    def _offload(self) -> None:
+        o = self.run.record["offload"]
+        if self.args.offload_limit <= 0:
+            o.update(status="skipped", note="--offload-limit 0")
+            self.run.write()
+            return
+        o.update(status="running", started=_now())
+        start = time.monotonic()
+
+        def on_update(fields: dict[str, Any]) -> None:
+            o.update(fields)
+            self.run.write()
+
+        result = self._task("offload", o["name"], self.args.offload_limit, on_update, {})
+        o["task_seconds"] = round(time.monotonic() - start, 2)
+        if result is None:
+            o.update(status="skipped", note=f"out of time ({self.run.left():.0f} s of the budget left)")
+        else:
+            outcome, limit = result
+            if o.get("timed_out"):
+                o.setdefault("error", f"TaskTimeout: {o['timed_out']}")
+            elif outcome != "done":
+                o.setdefault("error", self._lost(outcome, limit, o.get("phase")))
+            if o.get("error"):
+                self.worker.stop()
+            o["failures"] = judge_offload(o)
+            o["status"] = "failed" if o["failures"] else "ok"
+        self.run.say(f"offload ({o['name']}): {o['status']}" + "".join(f"; {f}" for f in o.get("failures", [])))
+        self.run.write()
+
     def _lost(self, outcome: str, limit: float, phase: str | None) -> str:
         if outcome == "killed":
             return f"killed {self.worker.grace:.0f} s after its {limit:.0f} s limit, during {phase}"
@@ -813,7 +907,8 @@ class Check:
 def _exit_code(record: dict[str, Any]) -> int:
     """0, 1 or 3 as the module docstring says, from the finished record."""
     workloads = record["workloads"]
-    failed = record["pytest"]["status"] == "failed" or any(w["status"] == "failed" for w in workloads)
+    failed = record["pytest"]["status"] == "failed" or any(w["status"] == "failed" for w in workloads) \
+        or record.get("offload", {}).get("status") == "failed"
     if failed:
         return 1
     skipped = record["pytest"]["status"] == "skipped" and record["pytest"].get("note") != "--no-pytest"
@@ -879,7 +974,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 w["compile"].update(status="skipped", note="not run: the check ended first")
             elif w["compile"]["status"] == "running":
                 w["compile"].update(status="interrupted", note="the check ended while it ran")
+        offload_ = run.record["offload"]
+        if offload_["status"] == "pending":
+            offload_.update(status="skipped", note="not run: the check ended first")
+        elif offload_["status"] == "running":
+            offload_.update(status="interrupted", note="the check ended while it ran")
         run.record["failures"] = [f"{w['name']}: {f}" for w in run.record["workloads"] for f in w.get("failures", [])]
+        run.record["failures"] += [f"offload: {f}" for f in offload_.get("failures", [])]
         run.record.update(finished=_now(), exit_code=code)
         run.write()
         for s, handler in previous.items():

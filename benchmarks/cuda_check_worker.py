@@ -27,6 +27,14 @@ Tasks
 (6) the step times of the variants that ran, as medians of blocks timed in turn
     (:func:`memplan.bench.interleaved_medians`; CUDA is synchronised around each step).
 
+``"offload"``: moving saved activations to host memory (the ``offload`` pass), on a deep MLP built here
+(:func:`offload_workload`: its activations outweigh its weights, and its matmuls leave the copies time to
+overlap): eager; memplan with offload off (``"kept"``); with offload on without a budget (``"offload"``: the
+lowest peak within ``max_overhead``); and, where offload moved something, recomputation alone under a budget
+of the offload plan's peak (``"recompute"``). Each plan is checked against eager (``verify=True``); peaks
+beside predictions, then the step times of all, timed in turn. On a CPU (the dry run) the host tier is
+emulated, which exercises the code, not the gain.
+
 ``"compile"``: the same step through ``torch.compile`` with
 ``torch._functorch.config.activation_memory_budget`` set (the knob users tune to make the compiler
 recompute activations): first call (compilation), peak of one step, and its step time timed in turn
@@ -410,7 +418,67 @@ def compile_task(task: _Task) -> None:
         torch._dynamo.reset()
 
 
-TASKS: dict[str, Callable[[_Task], None]] = {"memplan": memplan_task, "compile": compile_task}
+def offload_workload(size: str, device: torch.device) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    """A stack of ``Linear`` + GELU layers at a batch far above its width: at the ``full`` size, 12 layers of
+    4096 features over 8192 rows, 3 GiB of saved activations against 0.8 GiB of weights, and about 5 ms of
+    matmuls per layer on an H100 to hide each 128 MiB copy behind."""
+    width, depth, batch = (4096, 12, 8192) if size == "full" else (128, 6, 512)
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU()) for _ in range(depth)]
+    model = torch.nn.Sequential(*layers).to(device)
+    return model, (torch.randn(batch, width, device=device),)
+
+
+def offload_task(task: _Task) -> None:
+    """Offload against keeping and recomputing on :func:`offload_workload` (see the module docstring)."""
+    from memplan.analysis.peak import step_margin
+    from memplan.errors import InfeasibleBudgetError
+    from memplan.ops import offload
+
+    spec = task.spec
+    device = torch.device(spec["device"])
+    task.phase("building")
+    model, inputs = offload_workload(spec["size"], device)
+    options = {"offload.emulate": True} if device.type == "cpu" else {}
+    timed: dict[str, Callable[[], Any]] = {}
+    eager = step_fn(model, inputs, train=True)
+    task.phase("eager")
+    eager()
+    clear_grads(model, inputs)
+    task.update(eager_peak=step_peak(eager, device))
+    timed["eager"] = eager
+    variants = [("kept", {"offload.when": "never"}, None), ("offload", {"offload.when": "always"}, None)]
+    while variants:
+        label, extra, budget = variants.pop(0)
+        task.phase(f"planning {label}")
+        optimized = memplan.optimize(model, verify=True, budget=budget, options={**options, **extra})
+        step = step_fn(optimized, inputs, train=True)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                step()
+        except InfeasibleBudgetError as exc:
+            task.update(**{f"{label}_note": _first_line(exc, 200)})
+            continue
+        verify, why = _verify_outcome(caught)
+        plan = optimized.plan
+        moved = [n for n in plan.graph.gm.graph.nodes if n.target is offload]
+        task.update(**{f"{label}_planned": plan.planned_peak + step_margin(plan.graph), f"{label}_verify": verify,
+                       f"{label}_verify_note": why, f"{label}_moved": len(moved),
+                       f"{label}_moved_bytes": sum(n.args[0].meta["val"].nbytes for n in moved),
+                       f"{label}_predicted_time": plan.plan_time, "eager_predicted_time": plan.eager_time})
+        task.phase(label)
+        clear_grads(model, inputs)
+        task.update(**{f"{label}_peak": step_peak(step, device)})
+        timed[label] = step
+        if label == "offload" and moved:  # recomputation alone, to the same peak
+            variants.append(("recompute", {"offload.when": "never"}, plan.planned_peak + step_margin(plan.graph)))
+    task.phase("timing")
+    medians = interleaved_medians(list(timed.values()), spec["repeats"], device)
+    task.update(**{f"{name}_seconds": seconds for name, seconds in zip(timed, medians)})
+
+
+TASKS: dict[str, Callable[[_Task], None]] = {"memplan": memplan_task, "compile": compile_task, "offload": offload_task}
 
 
 def _hello(device: torch.device) -> dict[str, Any]:

@@ -94,6 +94,13 @@ def test_the_dry_run_writes_every_workload_with_its_figures(tmp_path):
     for name in examples.WORKLOADS:
         assert f"\n| {name} | " in markdown
     assert "| does not fit (predicted 54.26 MiB) |" in markdown
+    # the offload stage: every plan checked against eager, predicted exactly on the emulated host tier
+    offload = record["offload"]
+    assert offload["status"] == "ok" and offload["failures"] == [], offload
+    assert offload["offload_moved"] >= 1 and offload["offload_peak"] < offload["kept_peak"], offload
+    for label in ("kept", "offload"):
+        assert offload[f"{label}_verify"] == "match" and offload[f"{label}_peak"] == offload[f"{label}_planned"]
+    assert "Offload stage (deep_mlp, `small` size)" in markdown and "\n| offload | " in markdown
 
 
 def test_a_run_with_no_time_left_skips_every_stage_and_still_writes_valid_files(tmp_path):
@@ -106,6 +113,7 @@ def test_a_run_with_no_time_left_skips_every_stage_and_still_writes_valid_files(
     for w in record["workloads"]:
         assert w["status"] == "skipped" and "out of time" in w["note"]
         assert w["compile"]["status"] == "skipped" and "out of time" in w["compile"]["note"]
+    assert record["offload"]["status"] == "skipped" and "out of time" in record["offload"]["note"]
     markdown = (tmp_path / "cuda_check.md").read_text()
     assert all(f"\n| {name} | " in markdown for name in examples.WORKLOADS)
 
@@ -226,6 +234,18 @@ def test_the_judge_names_each_check_that_does_not_hold():
     assert failure.startswith("eager ran out of memory although its predicted peak 100.00 MiB fitted")
     (failure,) = cuda_check.judge(_workload(memplan_peak=None, planned=None, memplan_note="out of memory: ..."))
     assert failure == "memplan did not run: out of memory: ..."
+
+
+def test_the_offload_judge_names_each_check_that_does_not_hold():
+    fine = {"eager_peak": 100 * MiB, "kept_planned": 60 * MiB, "kept_peak": 60 * MiB, "kept_verify": "match",
+            "offload_planned": 40 * MiB, "offload_peak": 41 * MiB, "offload_verify": "match"}
+    assert cuda_check.judge_offload(fine) == []
+    (failure,) = cuda_check.judge_offload({**fine, "offload_peak": 44 * MiB})
+    assert failure == "offload: peak 44.00 MiB is 10.0% above the plan's 40.00 MiB"
+    (failure,) = cuda_check.judge_offload({**fine, "kept_verify": "differs", "kept_verify_note": "grad of w"})
+    assert failure == "kept: verify=True differs: grad of w"
+    (failure,) = cuda_check.judge_offload({**fine, "error": "TaskTimeout: passed its 90 s limit", "phase": "timing"})
+    assert failure == "raised TaskTimeout: passed its 90 s limit (during timing)"
 
 
 def test_the_markdown_names_the_device_and_says_what_did_not_run(tmp_path):
