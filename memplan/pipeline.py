@@ -121,13 +121,15 @@ class _Registered:
     fn: PassFn
     options: OptionsReader | None = None
     retry_before: str | None = None
+    alone: Callable[[CapturedGraph, Mapping[str, Any]], bool] | None = None
 
 
 _REGISTRY: dict[str, _Registered] = {}
 
 
 def register_pass(name: str, fn: PassFn | None = None, *, options: OptionsReader | None = None,
-                  retry_before: str | None = None) -> Any:
+                  retry_before: str | None = None,
+                  alone: Callable[[CapturedGraph, Mapping[str, Any]], bool] | None = None) -> Any:
     """Register a pass under ``name`` (usable as a decorator). Registering a name twice is an error.
 
     ``options``: the pass's reader of its ``"<name>.<option>"`` options (its frozen options class filled
@@ -135,7 +137,11 @@ def register_pass(name: str, fn: PassFn | None = None, *, options: OptionsReader
     the pass alone would ignore it. ``retry_before``: a pass this one may also run just before, when
     the pipeline runs it after that one: where a rung of :meth:`PassManager.ladder` misses its budget
     even with its lowest plan, the ladder plans that order too and keeps the lower plan. The order is
-    the pass's to know, not the pipeline's.
+    the pass's to know, not the pipeline's. ``alone(graph, options)``: True when the pass would act on
+    ``graph``, and should then be given each rung's budget alone, the other passes choosing within
+    ``max_overhead``, as one more plan for the rung: a pass whose plans cost less time than the
+    others' for the same memory (``offload``: copies that overlap the step, where recomputation adds ops)
+    gets the budget before they spend time on it.
     """
 
     def add(f: PassFn) -> PassFn:
@@ -143,7 +149,7 @@ def register_pass(name: str, fn: PassFn | None = None, *, options: OptionsReader
             raise ValueError(f"a pass named {name!r} is already registered")
         if not name.isidentifier():
             raise ValueError(f"pass names are identifiers; {name!r} is not")
-        _REGISTRY[name] = _Registered(f, options, retry_before)
+        _REGISTRY[name] = _Registered(f, options, retry_before, alone)
         return f
 
     return add(fn) if fn is not None else add
@@ -659,6 +665,9 @@ class PassManager:
         ``remat``, since remat's lowest plan on its own may recompute an unrolled loop's states all at
         once, which leaves timesteps no saved step to checkpoint (``nn.LSTMCell`` unrolled). The ladder
         ends at a rung that misses its budget (kept when it is still lower than every rung before it).
+        Where a pass registered ``alone=`` and would act on the graph (``offload`` with a host tier), each
+        rung is also planned with the budget given to that pass alone, and that plan is the rung's when it
+        fits at a lower predicted time (or the other misses).
         Nothing here reads the policy's budget, so for any budget the first rung that fits is the same
         walk cut short. The price: a budget just below a rung gets the next one, whose peak (and compute)
         may be lower than the budget needs. Rungs are built lazily, one pipeline run or two each, from
@@ -666,18 +675,36 @@ class PassManager:
         ``max_overhead``) when its peak is lower still, so a budget that the unbudgeted plan meets is never
         refused. ``known``: as for :meth:`run`.
         """
-        result = self._run(copy_graph(graph), dataclasses.replace(self.policy, budget=None, max_overhead=0.0), known, pristine=graph)
+        first = dataclasses.replace(self.policy, budget=None, max_overhead=0.0)
+        result = self._run(copy_graph(graph), first, known, pristine=graph)
         lowest = _step_peak(result)
         yield result, lowest
         retry_order = self._retry_order()
+        alone = [name for name in self.passes
+                 if _REGISTRY[name].alone is not None and _REGISTRY[name].alone(graph, self.options)]
+        previous: tuple[Policy, Mapping[str, Policy] | None] = (first, None)  # how the rung before was planned
         while True:
             target = int(lowest * LADDER_STEP)
-            result = self._run(copy_graph(graph), dataclasses.replace(self.policy, budget=target, when_over="overhead"), known, pristine=graph)
+            budgeted = dataclasses.replace(self.policy, budget=target, when_over="overhead")
+            result = self._run(copy_graph(graph), budgeted, known, pristine=graph)
             peak = _step_peak(result)
+            chosen: tuple[Policy, Mapping[str, Policy] | None] = (budgeted, None)
+            # The passes that asked for a rung's budget alone (see register_pass) get it on top of the
+            # rung before (the others choosing as they did there) and of the plan within max_overhead:
+            # such a plan is the rung's where it fits at a lower predicted time, or the other misses.
+            for base, overrides in ((previous[0], {**(previous[1] or {}), **{n: budgeted for n in alone}}),
+                                    (dataclasses.replace(self.policy, budget=None), {n: budgeted for n in alone})):
+                if not alone:
+                    break
+                other = self._run(copy_graph(graph), base, known, pristine=graph, overrides=overrides)
+                other_peak = _step_peak(other)
+                if other_peak <= target and (peak > target or other.plan_time < result.plan_time):
+                    result, peak, chosen = other, other_peak, (base, overrides)
             if peak > target:
                 lowest_policy = dataclasses.replace(self.policy, budget=target, when_over="lowest")
                 result = self._run(copy_graph(graph), lowest_policy, known, pristine=graph)
                 peak = _step_peak(result)
+                chosen = (lowest_policy, None)
                 if peak > target and retry_order is not None:
                     # A pass run after the one it registered retry_before= may find less to gain there
                     # (remat's lowest plan leaves timesteps no saved step to checkpoint): before it may go lower.
@@ -688,6 +715,7 @@ class PassManager:
             if peak >= lowest:
                 break
             lowest = peak
+            previous = chosen
             yield result, peak
             if peak > target:
                 break  # the lowest plan for a budget it misses: no later rung gets lower
@@ -712,10 +740,12 @@ class PassManager:
         return tuple(order) if order != list(self.passes) else None
 
     def _run(self, graph: CapturedGraph, policy: Policy, known: Mapping[type, Any] | None = None,
-             passes: Sequence[str] | None = None, pristine: CapturedGraph | None = None) -> PipelineResult:
+             passes: Sequence[str] | None = None, pristine: CapturedGraph | None = None,
+             overrides: Mapping[str, Policy] | None = None) -> PipelineResult:
         """Run ``passes`` on ``graph``, rolling back or raising at a failing pass (see the class).
         ``pristine``: a graph equal to ``graph`` that nothing edits (the caller's, the ladder's), else a
-        copy of ``graph`` is kept when a failure may need one."""
+        copy of ``graph`` is kept when a failure may need one. ``overrides``: the policy of some passes,
+        by name, in place of ``policy`` (see :meth:`ladder`)."""
         passes = self.passes if passes is None else tuple(passes)
         graph = dataclasses.replace(graph, lifetimes="graph")
         rollback = self._mode() == "rollback"
@@ -738,12 +768,12 @@ class PassManager:
             if baseline is None:
                 baseline = mutation_hazards(graph, am)
             try:
-                return self._attempt(graph, am, policy, passes, baseline, stepwise, skipped, timing)
+                return self._attempt(graph, am, policy, passes, baseline, stepwise, skipped, timing, overrides=overrides)
             except _PassFailed as failure:
                 if rollback and failure.final and not stepwise:
                     stepwise = True  # again, checking after each pass, to find the pass that added it
                 else:
-                    path = self._save(failure, source, policy, known, passes, skipped, timing)
+                    path = self._save(failure, source, policy, known, passes, skipped, timing, overrides)
                     if not rollback or failure.fatal:
                         raise self._error(failure, passes, skipped, path) from failure.cause
                     skipped[failure.index] = failure.what
@@ -755,7 +785,8 @@ class PassManager:
 
     def _attempt(self, graph: CapturedGraph, am: AnalysisManager, policy: Policy, passes: Sequence[str],
                  baseline: frozenset[tuple[str, str]], stepwise: bool, skipped: Mapping[int, str],
-                 timing: tuple[CostRates, float], stop: int | None = None) -> PipelineResult:
+                 timing: tuple[CostRates, float], stop: int | None = None,
+                 overrides: Mapping[str, Policy] | None = None) -> PipelineResult:
         """One run of ``passes`` on ``graph``, leaving out those in ``skipped`` (recorded as rolled back);
         raises :class:`_PassFailed` at the first failure. ``timing``: the rates and eager's predicted
         step time. ``stop``: return before that pass, without calling the hooks (the graph a failing pass
@@ -779,7 +810,8 @@ class PassManager:
             if hooks and self.before_pass is not None:
                 self.before_pass(name, graph)
             peak_before = am.get(PeakSimulation).peak
-            ctx = PassContext(am=am, policy=_pass_policy(policy, (1.0 + policy.max_overhead) * fastest + room - predicted, predicted), options=self.options, rates=rates)
+            own = overrides.get(name, policy) if overrides else policy
+            ctx = PassContext(am=am, policy=_pass_policy(own, (1.0 + own.max_overhead) * fastest + room - predicted, predicted), options=self.options, rates=rates)
             start = time.perf_counter()
             try:
                 result = _REGISTRY[name].fn(graph, ctx)
@@ -835,7 +867,8 @@ class PassManager:
 
     def _save(self, failure: "_PassFailed", source: CapturedGraph | None, policy: Policy,
               known: Mapping[type, Any] | None, passes: Sequence[str],
-              skipped: Mapping[int, str], timing: tuple[CostRates, float]) -> pathlib.Path | None:
+              skipped: Mapping[int, str], timing: tuple[CostRates, float],
+              overrides: Mapping[str, Policy] | None = None) -> pathlib.Path | None:
         """Save the failing pass's reproducer: the graph it was given (made again from ``source``, as the
         pass may have edited the one it had) and the pipeline from it on. None: nothing to save from."""
         key = (failure.name, failure.what)
@@ -848,7 +881,7 @@ class PassManager:
         try:
             am = AnalysisManager(before, known)
             before = self._attempt(before, am, policy, passes, mutation_hazards(before, am), False, skipped,
-                                   timing, stop=failure.index).graph
+                                   timing, stop=failure.index, overrides=overrides).graph
         except _PassFailed:  # the passes before it failed this time: replay all of them from the first graph
             before = source
             rest = ",".join(p for j, p in enumerate(passes) if j not in skipped)

@@ -38,9 +38,12 @@ Stages
     or ``offload.max_tensors`` are taken. Each set is a candidate: its peak, and as overhead its stalls
     and four dispatches per tensor over the plan's predicted time.
 (4) ``ctx.policy.choose`` picks among the Pareto-optimal candidates, as for ``remat``. By default
-    (``offload.when="budget"``) the pass acts only for a budget, i.e. where recomputation did not meet
-    one cheaply (the pipeline runs it last); ``"always"`` also takes the lowest peak within the
-    allowance without one.
+    (``offload.when="budget"``) the pass acts only for a budget; ``"always"`` also takes the lowest peak
+    within the allowance without one. Under a budget, each rung of the pipeline's ladder is planned
+    twice (:meth:`~memplan.pipeline.PassManager.ladder`): with every pass given the rung's budget, where
+    this pass moves what recomputation could not reach; and with this pass given it alone, the others
+    choosing within ``max_overhead``, where it moves what recomputation could reach only at a higher
+    price. The rung takes the plan that fits at the lower predicted time.
 
 Preconditions
 -------------
@@ -381,7 +384,14 @@ def apply_offload(graph: CapturedGraph, plan: OffloadPlan, model: MemoryModel) -
 # the pass
 
 
-@register_pass("offload", options=OffloadOptions.from_mapping)
+def _acts(graph: CapturedGraph, options: Mapping[str, Any]) -> bool:
+    """Whether the pass would act on ``graph`` under a budget (the ladder's question, see
+    :func:`~memplan.pipeline.register_pass`): a training graph with a host tier, offload not turned off."""
+    own = OffloadOptions.from_mapping(options)
+    return graph.training and own.when != "never" and (run_device(graph).type == "cuda" or own.emulate)
+
+
+@register_pass("offload", options=OffloadOptions.from_mapping, alone=_acts)
 def offload_pass(graph: CapturedGraph, ctx: PassContext) -> PassResult:
     """Move saved activations to host memory between the forward and the backward (see the module docstring)."""
     options = OffloadOptions.from_mapping(ctx.options)

@@ -406,3 +406,36 @@ def test_structural_programs_stay_equal_and_exact_with_emulated_offload(seed):
     findings = check_program(model, inputs, passes="remat,schedule,offload", options=EMULATE,
                              checks=("equivalence", "prediction"))
     assert not [f for f in findings if f.failed], findings
+
+
+def _deep_mlp_on_meta(width=1024, depth=8, batch=8192):
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth)]
+    return nn.Sequential(*layers).to("meta"), (torch.randn(batch, width, device="meta"),)
+
+
+def test_the_ladder_offers_offload_where_it_is_cheaper_than_recomputing_to_the_same_peak():
+    from memplan.api import DEFAULT_PIPELINE
+    from memplan.pipeline import PassManager
+    from memplan.policy import Policy
+
+    model, inputs = _deep_mlp_on_meta()
+    graph = capture(model, *inputs, seed="tangents", target_device="cuda")
+    ladders = {}
+    for when in ("never", "budget"):
+        manager = PassManager(DEFAULT_PIPELINE, Policy(budget=1), options={"offload.when": when})
+        ladders[when] = [(result, peak, sum(n.target is offload for n in result.graph.gm.graph.nodes))
+                         for result, peak in manager.ladder(graph)]
+    peaks = [peak for _, peak, _ in ladders["budget"]]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == len(peaks)
+    assert not any(moved for _, _, moved in ladders["never"])
+    offloaded = [(result, peak) for result, peak, moved in ladders["budget"] if moved]
+    assert offloaded
+    for result, peak in offloaded:
+        # without offload, the first rung that fits the same peak costs more predicted time
+        fitting = next(r for r, p, _ in ladders["never"] if p <= peak)
+        assert result.plan_time < fitting.plan_time
+    # and a user's budget at that peak gets the offload plan
+    result, peak = offloaded[0]
+    plan = memplan.optimize(model, device="cuda", budget=peak).plan_for(*inputs)
+    assert moved(plan) and plan.planned_peak + step_margin(plan.graph) <= peak
