@@ -112,7 +112,7 @@ def test_analyses_charge_the_host_copy_nothing():
 def test_an_emulated_plan_gives_eager_values_at_the_predicted_lower_peak(make):
     model, inputs = make()
     opt, plan = plan_of(model, inputs, max_overhead=1.0)
-    assert_equivalent(model, opt, *inputs)
+    assert_equivalent(model, opt, *inputs, exact=True)  # copies: the same bits
     measured = step_peak(opt, inputs)
     assert measured == plan.planned_peak + step_margin(plan.graph)
     if moved(plan):
