@@ -1,0 +1,119 @@
+"""Plans run on a GPU: the ruler, one plan per pass, a plan on another stream than the default, the caching
+allocator across steps, and the host tier (offload). Skipped without a CUDA device; ``benchmarks/cuda_check.py``
+runs them (``pytest -m cuda``) when a GPU is lent."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import memplan
+import memplan.examples as examples
+from memplan.analysis.peak import step_margin
+from memplan.measure import allocator_peak, measure
+from memplan.ops import _PENDING, offload
+from memplan.steps import clear_grads, step_fn
+from memplan.testing import assert_equivalent
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+#: A measured peak may exceed its prediction by this share (the CUDA check's tolerance); kernels' own
+#: temporaries (embedding_dense_backward's) are outside the graph.
+TOLERANCE = 0.05
+
+#: One workload per pass of the default pipeline where the pass acts at the small sizes.
+PASS_WORKLOADS = [("rewrite", "broadcast_matmul"), ("chunk", "chain_product"), ("timesteps", "latent_gru"),
+                  ("remat", "seq2seq"), ("inplace", "chain_product"), ("concat", "seq2seq"), ("schedule", "maxsim")]
+
+
+def deep_mlp(width=1024, depth=6, batch=4096):
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth)]
+    return nn.Sequential(*layers).cuda(), (torch.randn(batch, width, device="cuda"),)
+
+
+def warmed_peak(step):
+    """The measured peak of one step after a warm-up step (cuBLAS's workspace and handles made outside it)."""
+    step()
+    torch.cuda.synchronize()
+    return measure(step, device="cuda").peak
+
+
+def test_the_ruler_agrees_with_the_allocators_peak():
+    model, inputs = deep_mlp(512, 4, 2048)
+    step = step_fn(model, inputs, train=True)
+    step()
+    ruler = measure(step, device="cuda").peak
+    clear_grads(model, inputs)
+    allocator = allocator_peak(step, device=torch.device("cuda"))
+    assert ruler > 0 and abs(ruler - allocator) <= TOLERANCE * allocator
+    predicted = memplan.analyze(model, *inputs).peak
+    assert abs(ruler - predicted) <= TOLERANCE * predicted
+
+
+@pytest.mark.parametrize("name,workload", PASS_WORKLOADS, ids=[f"{p}-{w}" for p, w in PASS_WORKLOADS])
+def test_one_plan_per_pass_gives_eager_values_at_its_predicted_peak(name, workload):
+    w = examples.make(workload, size="small", device="cuda")
+    optimized = memplan.optimize(w.model, passes=name)
+    assert_equivalent(w.model, optimized, *w.inputs)
+    plan = optimized.plan_for(*w.inputs)
+    predicted = plan.planned_peak + step_margin(plan.graph)
+    measured = warmed_peak(step_fn(optimized, w.inputs, train=True))
+    assert measured <= predicted * (1 + TOLERANCE), (measured, predicted)
+
+
+def test_offload_on_a_gpu_gives_eager_values_at_its_predicted_peak_and_leaves_no_copy_pending():
+    model, inputs = deep_mlp()
+    optimized = memplan.optimize(model, passes="offload", max_overhead=1.0,
+                                 options={"offload.when": "always", "offload.min_bytes": 1})
+    assert_equivalent(model, optimized, *inputs)
+    plan = optimized.plan_for(*inputs)
+    assert any(n.target is offload for n in plan.graph.gm.graph.nodes)
+    predicted = plan.planned_peak + step_margin(plan.graph)
+    measured = warmed_peak(step_fn(optimized, inputs, train=True))
+    eager = warmed_peak(step_fn(model, inputs, train=True))
+    assert measured <= predicted * (1 + TOLERANCE) and measured < eager
+    torch.cuda.synchronize()
+    assert not _PENDING  # every copy's event was waited for
+
+
+@pytest.mark.parametrize("options", [{}, {"offload.when": "always", "offload.min_bytes": 1}], ids=["default", "offload"])
+def test_a_plan_runs_on_the_current_stream_when_it_is_not_the_default(options):
+    model, inputs = deep_mlp(512, 4, 2048)
+    optimized = memplan.optimize(model, options=options)
+    torch.manual_seed(0)
+    expected = model(*inputs)
+    expected.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    clear_grads(model, inputs)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # the first call plans
+            clear_grads(optimized, inputs)
+            got = optimized(*inputs)
+            got.sum().backward()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(got, expected)
+    for p, g in zip(optimized.parameters(), grads):
+        torch.testing.assert_close(p.grad, g)
+
+
+def test_the_caching_allocator_reuses_a_plans_memory_across_steps():
+    w = examples.make("chain_product", size="small", device="cuda")
+    step = step_fn(memplan.optimize(w.model), w.inputs, train=True)
+    step()
+    step()
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    peaks = []
+    for _ in range(3):
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - before)
+    assert torch.cuda.memory_reserved() == reserved  # no new segments once warm
+    assert max(peaks) == min(peaks)
