@@ -7,7 +7,7 @@
 """
 
 from memplan import ops as _ops  # noqa: F401  (registers torch.ops.memplan, which plans and reproducers may hold)
-from memplan import errors, steps, testing  # noqa: F401  (memplan.steps.step_fn, memplan.errors.*, without an import of their own)
+from memplan import distributed, errors, steps, testing  # noqa: F401  (memplan.steps.step_fn, memplan.errors.*, memplan.distributed.check_plans, without an import of their own)
 from memplan.analyze import MemoryAnalysis, analyze
 from memplan.api import OptimizedModule, Plan, optimize
 from memplan.capture import CapturedGraph

@@ -3,7 +3,9 @@ process's.
 
 What DDP must keep: the averaged gradients of every parameter, ``no_sync()`` accumulation, ``static_graph``.
 FSDP2: ``fully_shard`` over planned blocks and the root, each block planned once though FSDP swaps its
-parameters in and out around every call.
+parameters in and out around every call; a plan that recomputes in the backward makes no extra all-gather
+or reduce-scatter. ``memplan.distributed.check_plans``: silent when the ranks' plans agree, a
+``PlanMismatchError`` on every rank when they do not.
 What it does not show yet: overlap. A plan's backward is one autograd node that returns every gradient at its
 end, so DDP's per-parameter hooks fire together after it, and its all-reduces do not overlap the backward
 (see docs/compile.md).
@@ -156,6 +158,115 @@ def _fsdp_worker(rank: int, port: int, state: dict, out: dict) -> None:
             model(batch[rank::WORLD]).sum().backward()
         out[rank] = {name.replace(".model.", "."): p.grad.full_tensor().clone() for name, p in model.named_parameters()}
         out[f"plans{rank}"] = [len(block._plans) for block in model.blocks]
+
+
+class GatedBlock(nn.Module):
+    """A block whose activations outweigh its weights at a few hundred rows: remat recomputes its gates."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.l(x)
+        for _ in range(4):
+            h = torch.tanh(h) * torch.sigmoid(h) + h
+        return h * x
+
+
+class GatedBlocks(Blocks):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([GatedBlock() for _ in range(3)])
+
+
+def _wide_batches() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randn(WORLD * 256, 16, generator=generator) for _ in range(2)]
+
+
+class _Counted:
+    """Counts the calls of torch.distributed's all-gather and reduce-scatter functions (FSDP2's collectives,
+    under whichever name this torch calls them)."""
+
+    NAMES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor")
+
+    def __init__(self):
+        self.calls: dict[str, int] = {}
+        self.saved = {}
+
+    def __enter__(self):
+        for name in self.NAMES:
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            self.saved[name] = original
+
+            def counted(*args, _original=original, _name=name, **kwargs):
+                kind = "all_gather" if "gather" in _name else "reduce_scatter"
+                self.calls[kind] = self.calls.get(kind, 0) + 1
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self.saved.items():
+            setattr(dist, name, original)
+
+
+def _collectives_worker(rank: int, port: int, state: dict, out: dict) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    with _group(rank, port):
+        for planned in (False, True):
+            model = GatedBlocks()
+            model.load_state_dict(state)
+            for i, block in enumerate(model.blocks):
+                if planned:  # recompute what it can: the backward runs the blocks' forward ops again
+                    model.blocks[i] = memplan.optimize(block, passes="remat", max_overhead=10.0)
+                fully_shard(model.blocks[i])
+            fully_shard(model)
+            batches = _wide_batches()
+            model(batches[0][rank::WORLD]).sum().backward()  # the first step plans
+            with _Counted() as counted:
+                model(batches[1][rank::WORLD]).sum().backward()
+            out[f"{planned}{rank}"] = counted.calls
+            if planned:
+                out[f"recomputed{rank}"] = [b.plan.records[0].changed for b in model.blocks]
+                memplan.distributed.check_plans(model)  # the ranks agree: silent
+                out[f"digests{rank}"] = memplan.distributed.plan_digests(model)
+
+
+def test_recomputing_plans_under_fully_shard_add_no_collective():
+    torch.manual_seed(0)
+    found = _spawn(_collectives_worker, copy.deepcopy(GatedBlocks().state_dict()))
+    for rank in range(WORLD):
+        assert found[f"recomputed{rank}"] == [True, True, True]
+        assert found[f"False{rank}"]["all_gather"] > 0 and found[f"False{rank}"]["reduce_scatter"] > 0
+        assert found[f"True{rank}"] == found[f"False{rank}"]
+    assert sorted(found["digests0"]) == ["blocks.0", "blocks.1", "blocks.2"]
+    assert found["digests0"] == found["digests1"]
+
+
+def _mismatch_worker(rank: int, port: int, out: dict) -> None:
+    with _group(rank, port):
+        torch.manual_seed(0)
+        model = GatedBlocks()
+        for i, block in enumerate(model.blocks):  # rank 1 plans the middle block with other passes
+            model.blocks[i] = memplan.optimize(block, passes="" if rank and i == 1 else "remat")
+        model(_wide_batches()[0][rank::WORLD]).sum().backward()
+        try:
+            memplan.distributed.check_plans(model)
+        except memplan.distributed.PlanMismatchError as exc:
+            out[rank] = str(exc)
+
+
+def test_check_plans_fails_on_every_rank_when_the_ranks_plan_differently():
+    found = _spawn(_mismatch_worker)
+    assert found[0] == found[1]
+    assert found[0].startswith("memplan's plans differ between ranks: blocks.1: rank 0 and rank 1 made different plans")
+    assert "Fix: give every rank the same memplan.optimize arguments" in found[0]
 
 
 def test_fully_shard_over_planned_blocks_gives_one_processs_gradients():
