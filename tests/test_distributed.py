@@ -282,3 +282,37 @@ def test_fully_shard_over_planned_blocks_gives_one_processs_gradients():
         assert set(found[rank]) == set(expected)
         for name, grad in expected.items():
             torch.testing.assert_close(found[rank][name], grad, msg=lambda m, name=name: f"rank {rank} {name}: {m}")
+
+
+def _peaks_worker(rank: int, port: int, state: dict, out: dict) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import fully_shard
+
+    wrap = {"fsdp": lambda b: b, "checkpoint": checkpoint_wrapper, "memplan": memplan.optimize,
+            "memplan_budget": lambda b: memplan.optimize(b, budget=0.5)}
+    with _group(rank, port):
+        for variant, wrapper in wrap.items():
+            model = GatedBlocks()
+            model.load_state_dict(state)
+            for i, block in enumerate(model.blocks):
+                model.blocks[i] = wrapper(block)
+                fully_shard(model.blocks[i])
+            fully_shard(model)
+            batch = _wide_batches()[0][rank::WORLD]
+
+            def step():
+                for p in model.parameters():
+                    p.grad = None
+                model(batch).sum().backward()
+
+            step()  # plans
+            out[f"{variant}{rank}"] = memplan.measure(step).peak
+
+
+def test_the_peak_per_rank_is_at_most_per_block_checkpointings_and_below_it_under_a_budget():
+    torch.manual_seed(0)
+    found = _spawn(_peaks_worker, copy.deepcopy(GatedBlocks().state_dict()))
+    for rank in range(WORLD):
+        assert found[f"checkpoint{rank}"] < found[f"fsdp{rank}"]
+        assert found[f"memplan{rank}"] <= found[f"checkpoint{rank}"]
+        assert found[f"memplan_budget{rank}"] < found[f"checkpoint{rank}"]
