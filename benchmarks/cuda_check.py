@@ -826,20 +826,28 @@ class Check:
         nodes = {name: self.run.workload(name).get("graph_nodes") for name in self.args.names}
         return sorted(self.args.names, key=lambda n: (nodes[n] is None, nodes[n] or 0))
 
+    def _begin(self, record: dict[str, Any], limit: float, option: str) -> Callable[[dict[str, Any]], None] | None:
+        """Mark a stage's ``record`` running and return the callback that files its figures there; None (the
+        stage marked skipped) when its ``option`` set its limit to 0."""
+        if limit <= 0:
+            record.update(status="skipped", note=f"{option} 0")
+            self.run.write()
+            return None
+        record.update(status="running", started=_now())
+
+        def on_update(fields: dict[str, Any]) -> None:
+            record.update(fields)
+            self.run.write()
+
+        return on_update
+
     def _compile(self, name: str) -> None:
         w = self.run.workload(name)
         c = w["compile"]
-        if self.args.compile_limit <= 0:
-            c.update(status="skipped", note="--compile-limit 0")
-            self.run.write()
+        on_update = self._begin(c, self.args.compile_limit, "--compile-limit")
+        if on_update is None:
             return
-        c.update(status="running", started=_now())
         start = time.monotonic()
-
-        def on_update(fields: dict[str, Any]) -> None:
-            c.update(fields)
-            self.run.write()
-
         extra = {"eager_fits": w.get("eager_fits"), "compile_backend": self.args.compile_backend,
                  "activation_memory_budget": self.args.activation_memory_budget}
         result = self._task("compile", name, self.args.compile_limit, on_update, extra)
@@ -868,17 +876,10 @@ class Check:
 
     def _offload(self) -> None:
         o = self.run.record["offload"]
-        if self.args.offload_limit <= 0:
-            o.update(status="skipped", note="--offload-limit 0")
-            self.run.write()
+        on_update = self._begin(o, self.args.offload_limit, "--offload-limit")
+        if on_update is None:
             return
-        o.update(status="running", started=_now())
         start = time.monotonic()
-
-        def on_update(fields: dict[str, Any]) -> None:
-            o.update(fields)
-            self.run.write()
-
         result = self._task("offload", o["name"], self.args.offload_limit, on_update, {})
         o["task_seconds"] = round(time.monotonic() - start, 2)
         if result is None:
