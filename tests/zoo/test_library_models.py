@@ -322,10 +322,16 @@ class _UnderAutocast(nn.Module):
 
 
 # LLaMA with torch's fused attention (HF's default "sdpa"): under bfloat16 autocast the plan's gradients differ
-# from eager's by bfloat16 rounding (0.4% of a weight's largest gradient), even with an empty pipeline, where
-# its attention module alone, and the whole model with attn_implementation="eager", are bit for bit eager's.
-# Open: the cause is not yet found.
-_LLAMA_UNDER_AUTOCAST = pytest.mark.xfail(strict=True, reason="bfloat16 rounding differs from eager's (open)")
+# from eager's by bfloat16 rounding (0.4-0.7% of a weight's largest gradient), even with an empty pipeline.
+# The cause: memplan traces over fake tensors, and Hugging Face's mask code takes its tracing branch there.
+# `masking_utils.find_packed_sequence_indices` cannot read the position ids of a fake tensor (`is_tracing`), so
+# it returns a packed-sequence mask, which turns off the `is_causal` shortcut: the traced program runs
+# `scaled_dot_product_attention` with an explicit (batch, 1, L, L) bool mask on keys and values copied per
+# head (`repeat_kv`), where eager runs it with `is_causal=True` and `enable_gqa=True`. The same values up to
+# rounding, by other kernels. Mistral (sliding window) builds its mask in both and matches. Open: following
+# eager's branch needs the traced program to depend on values the trace does not have.
+_LLAMA_UNDER_AUTOCAST = pytest.mark.xfail(
+    strict=True, reason="the trace takes Hugging Face's tracing branch for the causal mask; bfloat16 rounding differs")
 AUTOCAST = [gpt2, bert, pytest.param(llama, marks=_LLAMA_UNDER_AUTOCAST), mistral, vit, resnet, convnext, lstm,
             transformer_encoder, conv2d_mobile]
 
