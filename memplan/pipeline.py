@@ -138,10 +138,10 @@ def register_pass(name: str, fn: PassFn | None = None, *, options: OptionsReader
     the pipeline runs it after that one: where a rung of :meth:`PassManager.ladder` misses its budget
     even with its lowest plan, the ladder plans that order too and keeps the lower plan. The order is
     the pass's to know, not the pipeline's. ``alone(graph, options)``: True when the pass would act on
-    ``graph``, and should then be given each rung's budget alone, the other passes choosing within
-    ``max_overhead``, as one more plan for the rung: a pass whose plans cost less time than the
-    others' for the same memory (``offload``: copies that overlap the step, where recomputation adds ops)
-    gets the budget before they spend time on it.
+    ``graph``, and should then be given each rung's budget alone, the other passes choosing as on the
+    rung before, as one more plan for the rung: a pass whose plans cost less time than the others' for
+    the same memory (``offload``: copies that overlap the step, where recomputation adds ops) gets the
+    budget before they spend time on it.
     """
 
     def add(f: PassFn) -> PassFn:
@@ -665,9 +665,9 @@ class PassManager:
         ``remat``, since remat's lowest plan on its own may recompute an unrolled loop's states all at
         once, which leaves timesteps no saved step to checkpoint (``nn.LSTMCell`` unrolled). The ladder
         ends at a rung that misses its budget (kept when it is still lower than every rung before it).
-        Where a pass registered ``alone=`` and would act on the graph (``offload`` with a host tier), each
-        rung is also planned with the budget given to that pass alone, and that plan is the rung's when it
-        fits at a lower predicted time (or the other misses). A rung predicted beyond ``max_overhead`` is
+        Where a pass registered ``alone=`` and would act on the graph (``offload`` with a host tier and
+        something to move), each rung is also planned with the budget given to that pass alone on top of the
+        rung before, and that plan is the rung's when it fits at a lower predicted time (or the other misses). A rung predicted beyond ``max_overhead`` is
         replaced by the plan without a budget when that plan fits the rung's budget at no more time (a
         deep MLP planned for CUDA had a 1.81 GiB rung at 1.36x eager's time beside a 1.38 GiB plan at 1.20x).
         Nothing here reads the policy's budget, so for any budget the first rung that fits is the same
@@ -694,12 +694,10 @@ class PassManager:
             peak = _step_peak(result)
             chosen: tuple[Policy, Mapping[str, Policy] | None] = (budgeted, None)
             # The passes that asked for a rung's budget alone (see register_pass) get it on top of the
-            # rung before (the others choosing as they did there) and of the plan within max_overhead:
-            # such a plan is the rung's where it fits at a lower predicted time, or the other misses.
-            for base, overrides in ((previous[0], {**(previous[1] or {}), **{n: budgeted for n in alone}}),
-                                    (dataclasses.replace(self.policy, budget=None), {n: budgeted for n in alone})):
-                if not alone:
-                    break
+            # rung before, the others choosing as they did there: that plan is the rung's where it fits
+            # at a lower predicted time, or where the other misses.
+            if alone:
+                base, overrides = previous[0], {**(previous[1] or {}), **{n: budgeted for n in alone}}
                 other = self._run(copy_graph(graph), base, known, pristine=graph, overrides=overrides)
                 other_peak = _step_peak(other)
                 if other_peak <= target and (peak > target or other.plan_time < result.plan_time):

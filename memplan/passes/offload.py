@@ -42,7 +42,7 @@ Stages
     within the allowance without one. Under a budget, each rung of the pipeline's ladder is planned
     twice (:meth:`~memplan.pipeline.PassManager.ladder`): with every pass given the rung's budget, where
     this pass moves what recomputation could not reach; and with this pass given it alone, the others
-    choosing within ``max_overhead``, where it moves what recomputation could reach only at a higher
+    choosing as on the rung before, where it moves what recomputation could reach only at a higher
     price. The rung takes the plan that fits at the lower predicted time.
 
 Preconditions
@@ -84,6 +84,7 @@ import torch
 import torch.fx
 
 from memplan.analysis.cost import STALL, CostRates, node_cost
+from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.memory_model import MemoryModel
 from memplan.analysis.peak import step_margin
 from memplan.analysis.tensors import Tensors
@@ -386,9 +387,13 @@ def apply_offload(graph: CapturedGraph, plan: OffloadPlan, model: MemoryModel) -
 
 def _acts(graph: CapturedGraph, options: Mapping[str, Any]) -> bool:
     """Whether the pass would act on ``graph`` under a budget (the ladder's question, see
-    :func:`~memplan.pipeline.register_pass`): a training graph with a host tier, offload not turned off."""
+    :func:`~memplan.pipeline.register_pass`): a training graph with a host tier, offload not turned off,
+    and a saved tensor it may move (in the graph as captured: the other passes keep fewer)."""
     own = OffloadOptions.from_mapping(options)
-    return graph.training and own.when != "never" and (run_device(graph).type == "cuda" or own.emulate)
+    if not graph.training or own.when == "never" or not (run_device(graph).type == "cuda" or own.emulate):
+        return False
+    graph = dataclasses.replace(graph, lifetimes="graph")
+    return bool(eligible(graph, AnalysisManager(graph).get(MemoryModel), own.min_bytes))
 
 
 @register_pass("offload", options=OffloadOptions.from_mapping, alone=_acts)
