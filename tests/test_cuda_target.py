@@ -149,6 +149,16 @@ def test_cuda_kernel_choices_of_a_stand_in_trace():
     x = torch.randn(2, 32, 16)
     assert efficient in ops(nn.MultiheadAttention(16, 2, batch_first=True), x, x, x, need_weights=False)
     assert efficient in ops(lambda q: F.scaled_dot_product_attention(q, q, q, dropout_p=0.1), q)
+    # dropout in training: CUDA's fused kernel and its one-byte mask, not the CPU's float noise
+    for dropout in (nn.Dropout(0.1), lambda x: F.dropout(x, 0.2), lambda x: torch.dropout(x, 0.3, True)):
+        graph = capture(lambda x: dropout(x.tanh()), q, target_device="cuda")
+        found = {str(n.target) for n in graph.gm.graph.nodes}
+        assert "aten.native_dropout.default" in found and "aten.bernoulli_.float" not in found
+        mask = next(n for n in graph.gm.graph.nodes if str(n.target) == "aten.native_dropout.default").meta["val"][1]
+        assert mask.dtype == torch.bool
+    # in place, or outside training, as the composite runs it
+    assert "aten.native_dropout.default" not in ops(lambda x: F.dropout(x * 2, 0.2, inplace=True), q)
+    assert "aten.native_dropout.default" not in ops(lambda x: F.dropout(x.tanh(), 0.2, training=False), q)
 
 
 @needs_no_gpu

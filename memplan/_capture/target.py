@@ -48,6 +48,10 @@ namespace too (``nn.MultiheadAttention`` calls it where the mode is off):
 * ``nn.LSTMCell``: CUDA runs the fused ``_thnn_fused_lstm_cell`` (saving one ``4 x hidden`` workspace per
   step), the stand-in the composite of matmuls and pointwise ops; the trace calls the fused kernel, as
   ``at::lstm_cell`` does on CUDA.
+* Dropout (``F.dropout``, ``nn.Dropout``, ``torch.dropout``) in training: CUDA runs the fused
+  ``native_dropout``, which saves a one-byte ``bool`` mask, where the stand-in draws a ``float`` noise tensor
+  (``bernoulli_``, ``div_``, ``mul``) and saves it, four bytes an element; the trace calls ``native_dropout``,
+  as ``at::dropout`` does for a CUDA tensor with ``0 < p < 1`` (in place, ``dropout_``, it does not fuse).
 * Refused: ``nn.GRUCell`` (CUDA's fused ``_thnn_fused_gru_cell`` has no meta kernel in the CPU build, so its
   workspace is unknown), ``nn.LSTM``/``nn.GRU``/``nn.RNN`` (cuDNN sizes their workspace and reserve), and
   ``torch.autocast("cuda")`` (a CPU-only build turns it off, so the trace would run in float32 where the
@@ -200,6 +204,22 @@ def _fused_lstm_cell(input: torch.Tensor, hx: Any, w_ih: torch.Tensor, w_hh: tor
     return hy, cy
 
 
+_F_DROPOUT = torch.nn.functional.dropout
+
+
+def _fused_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+    """``F.dropout`` as ``at::dropout`` runs it for a CUDA tensor: the fused ``native_dropout`` in training
+    (out of place, ``0 < p < 1``, at least one element, on the stand-in), the composite otherwise."""
+    if training and not inplace and 0.0 < p < 1.0 and input.numel() > 0 and input.device.type != "cpu":
+        return aten.native_dropout(input, p, True)[0]
+    return _F_DROPOUT(input, p, training, inplace)
+
+
+def _fused_vf_dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+    """``torch.dropout`` (what ``F.dropout`` calls) as ``at::dropout`` runs it for a CUDA tensor."""
+    return _fused_dropout(input, p, train)
+
+
 def _refusing(what: str, why: str) -> Callable[..., Any]:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise TargetError(f"{what}: {why}")
@@ -214,6 +234,8 @@ _CUDNN_FIX = ("Fix: plan on a machine with a GPU, or plan the layer unrolled ove
 _CUDA_CHOICES: dict[Any, Callable[..., Any]] = {
     _SDPA: _attention,
     _VF.lstm_cell: _fused_lstm_cell,
+    _F_DROPOUT: _fused_dropout,
+    _VF.dropout: _fused_vf_dropout,
     _VF.gru_cell: _refusing(
         "nn.GRUCell runs CUDA's fused kernel _thnn_fused_gru_cell", "this CPU-only build of PyTorch has no size "
         "rule (meta kernel) for it, so the workspace it saves cannot be predicted. Fix: plan on a machine with a "
