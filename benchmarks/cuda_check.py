@@ -14,14 +14,14 @@ Stages
 (3) For each workload (``"memplan"`` tasks of ``cuda_check_worker.py``): eager's peak, unless memplan.analyze
     predicts it would not fit in the free memory; memplan's predicted and measured peak, its outputs and
     gradients checked against eager (``verify=True``); the step times of both, timed in turn.
-(4) For each workload, ``torch.compile`` with ``torch._functorch.config.activation_memory_budget`` (default
-    0.5), within a time limit of its own ("compile" tasks). These come after every workload's stage (3),
-    because memplan's figures are what the check is for, and smallest captured graph first, because
-    compile time grows with the traced graph: a budget running out cuts the ones least likely to compile.
-(5) Offload (an ``"offload"`` task): a deep MLP built by the worker, whose saved activations can wait in
-    pinned host memory while its matmuls run; memplan with the ``offload`` pass off, on, and recomputation
-    alone under a budget of the offload plan's peak, each checked against eager, with peaks, predictions
-    and step times (``--offload-limit 0`` skips it).
+(4) Offload (an ``"offload"`` task), after every workload's stage (3): a deep MLP built by the worker, whose
+    saved activations can wait in pinned host memory while its matmuls run; memplan with the ``offload``
+    pass off, on, and recomputation alone under a budget of the offload plan's peak, each checked against
+    eager, with peaks, predictions and step times (``--offload-limit 0`` skips it).
+(5) For each workload, ``torch.compile`` with ``torch._functorch.config.activation_memory_budget`` (default
+    0.5), within a time limit of its own ("compile" tasks). These come last, because memplan's figures are
+    what the check is for, and smallest captured graph first, because compile time grows with the traced
+    graph: a budget running out cuts the ones least likely to compile.
 
 Stages (3) to (5) run in a worker process (``benchmarks/cuda_check_worker.py``), restarted when one dies
 or has to be killed, so a hang, a crash or a poisoned CUDA context costs one figure, not the check.
@@ -735,7 +735,7 @@ def _compile_line(w: dict[str, Any]) -> str:
 
 
 class Check:
-    """Runs stages (2)-(4) against the clock of ``run``, writing the record after every figure."""
+    """Runs stages (2)-(5) against the clock of ``run``, writing the record after every figure."""
 
     def __init__(self, run: Run, args: argparse.Namespace, worker: Worker):
         self.run, self.args, self.worker = run, args, worker
@@ -747,9 +747,9 @@ class Check:
         self.run.write()
         for name in self.args.names:
             self._memplan(name)
+        self._offload()
         for name in self._compile_order():
             self._compile(name)
-        self._offload()
         self.pytest.wait()
 
     def stop(self, kill: bool = False) -> None:
