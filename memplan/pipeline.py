@@ -693,16 +693,24 @@ class PassManager:
             result = self._run(copy_graph(graph), budgeted, known, pristine=graph)
             peak = _step_peak(result)
             chosen: tuple[Policy, Mapping[str, Policy] | None] = (budgeted, None)
+            fitting = [(result, peak, chosen)] if peak <= target else []
             # The passes that asked for a rung's budget alone (see register_pass) get it on top of the
-            # rung before, the others choosing as they did there: that plan is the rung's where it fits
-            # at a lower predicted time, or where the other misses.
+            # rung before, the others choosing as they did there.
             if alone:
                 base, overrides = previous[0], {**(previous[1] or {}), **{n: budgeted for n in alone}}
                 other = self._run(copy_graph(graph), base, known, pristine=graph, overrides=overrides)
-                other_peak = _step_peak(other)
-                if other_peak <= target and (peak > target or other.plan_time < result.plan_time):
-                    result, peak, chosen = other, other_peak, (base, overrides)
-            if peak > target:
+                if _step_peak(other) <= target:
+                    fitting.append((other, _step_peak(other), (base, overrides)))
+            # A rung beyond the time allowance may be beaten on both counts by the plan within it (its passes
+            # choosing the lowest peak each, where the rung's took what met the budget first).
+            if peak <= target and result.plan_time > (1.0 + self.policy.max_overhead) * result.eager_time:
+                if unbudgeted is None:
+                    unbudgeted = self._run(copy_graph(graph), within, known, pristine=graph)
+                if _step_peak(unbudgeted) <= target:
+                    fitting.append((unbudgeted, _step_peak(unbudgeted), (within, None)))
+            if fitting:  # the rung: the fastest plan that fits it, the lower peak among equals
+                result, peak, chosen = min(fitting, key=lambda item: (item[0].plan_time, item[1]))
+            else:
                 lowest_policy = dataclasses.replace(self.policy, budget=target, when_over="lowest")
                 result = self._run(copy_graph(graph), lowest_policy, known, pristine=graph)
                 peak = _step_peak(result)
@@ -714,15 +722,6 @@ class PassManager:
                     other_peak = _step_peak(other)
                     if other_peak < peak:
                         result, peak = other, other_peak
-            if peak <= target and result.plan_time > (1.0 + self.policy.max_overhead) * result.eager_time:
-                # A rung beyond the time allowance may be beaten on both counts by the plan within it (its
-                # passes choosing the lowest peak each, where the rung's took what met the budget first):
-                # that plan is then the rung.
-                if unbudgeted is None:
-                    unbudgeted = self._run(copy_graph(graph), within, known, pristine=graph)
-                other_peak = _step_peak(unbudgeted)
-                if other_peak <= target and unbudgeted.plan_time <= result.plan_time:
-                    result, peak, chosen = unbudgeted, other_peak, (within, None)
             if peak >= lowest:
                 break
             lowest = peak

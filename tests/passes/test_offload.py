@@ -442,3 +442,26 @@ def test_the_ladder_offers_offload_where_it_is_cheaper_than_recomputing_to_the_s
     result, peak = offloaded[0]
     plan = memplan.optimize(model, device="cuda", budget=peak, passes=passes).plan_for(*inputs)
     assert moved(plan) and plan.planned_peak + step_margin(plan.graph) <= peak
+
+
+def test_the_offload_benchmark_finds_rungs_no_plan_without_offload_beats():
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, str(repo / "benchmarks" / "offload.py"), "--size", "small",
+                           "--workloads", "deep_mlp"], capture_output=True, text=True, timeout=300, cwd=repo)
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| deep_mlp |")]
+    assert rows and "no rung moves" not in rows[0]
+    units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        peak, unit, time = re.fullmatch(r"([\d.]+) (\w+) at ([\d.]+)x", cells[2]).groups()
+        assert int(cells[3].split()[0]) > 0
+        without = re.fullmatch(r"([\d.]+) (\w+) at ([\d.]+)x", cells[4])
+        if without:  # a plan without offload at or below the peak: never faster
+            assert float(time) < float(without.group(3)), row
+            assert float(without.group(1)) * units[without.group(2)] <= float(peak) * units[unit]
