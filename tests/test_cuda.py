@@ -117,3 +117,26 @@ def test_the_caching_allocator_reuses_a_plans_memory_across_steps():
         peaks.append(torch.cuda.max_memory_allocated() - before)
     assert torch.cuda.memory_reserved() == reserved  # no new segments once warm
     assert max(peaks) == min(peaks)
+
+
+def test_dropouts_output_made_again_from_its_mask_is_the_forwards_bits():
+    """What the rewrite's dropout peephole relies on (memplan.passes._rewrite.dropout_mask), on CUDA's kernels."""
+    x = torch.randn(1024, 1024, device="cuda")
+    for p in (0.1, 0.3, 0.5):
+        out, mask = torch.ops.aten.native_dropout(x, p, True)
+        again = torch.ops.aten.native_dropout_backward(x, mask, 1.0 / (1.0 - p))
+        assert torch.equal(out.view(torch.int32), again.view(torch.int32))
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.drop = nn.Linear(16, 48), nn.Dropout(0.1)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(*x.shape[:-1], 3, 16).unbind(-2)
+            return self.drop(torch.softmax(q @ k.transpose(-1, -2), -1)) @ v
+
+    model, x = Layer().cuda(), torch.randn(4, 128, 16, device="cuda", requires_grad=True)
+    optimized = memplan.optimize(model, passes="rewrite")
+    assert_equivalent(model, optimized, x, exact=True)
+    assert "native_dropout_backward" in optimized.code

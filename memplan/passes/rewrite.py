@@ -44,6 +44,12 @@ eager's (up to summation order):
     write into it, which kept the storage and the copy from being recomputed (see
     :mod:`~memplan.passes._rewrite.saved_before_write`). Kept only if the simulated peak does not rise.
 
+(h) **Dropout's output made again from its mask.** ``native_dropout`` (CUDA's dropout) keeps its mask for
+    its backward; where the op after it saves its output too and the backward keeps its input anyway
+    (``dropout(softmax(s)) @ v``), the backward makes the output again, ``x * mask * scale``, the same bits,
+    and the output dies in the forward (:mod:`~memplan.passes._rewrite.dropout_mask`). Kept only if the
+    simulated peak does not rise.
+
 (g) **Attention written out.** ``softmax(q @ k^T * scale [+ bias] [masked -inf]) @ v`` over heads as
     batch dimensions (``matmul``, ``bmm``, einsum) becomes one ``F.scaled_dot_product_attention``,
     whose fused kernel keeps a log-sum-exp per query instead of the scores and the probabilities
@@ -132,6 +138,7 @@ from memplan.ops import grouped_addmm_
 from memplan.passes._chunk.graphs import copy_graph, fake_call, fake_mode_of
 from memplan.passes._chunk.rules import Split
 from memplan.passes._rewrite.attention import Attention, find_attention
+from memplan.passes._rewrite.dropout_mask import DropoutFromMask, apply_dropout_from_mask, find_dropout_from_mask
 from memplan.passes._rewrite.linear_ce import LinearCrossEntropy, admit, find_linear_cross_entropy
 from memplan.passes._rewrite.region import (
     Replacement,
@@ -278,7 +285,7 @@ class OversizedResult:
 
 
 Rewrite = Union[Attention, BroadcastMatmul, MatmulMax, ScatterIntoZeros, InterleavedSlices, OversizedResult,
-                "BroadcastProduct", SavedBeforeWrite, LinearCrossEntropy]
+                "BroadcastProduct", SavedBeforeWrite, LinearCrossEntropy, DropoutFromMask]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1047,6 +1054,25 @@ def _write_out_of_place(graph: CapturedGraph, patterns: Sequence[SavedBeforeWrit
     return list(patterns)
 
 
+def _remake_dropouts(graph: CapturedGraph, patterns: Sequence[DropoutFromMask], state: dict) -> list[DropoutFromMask]:
+    """Make each dropout's output again in the backward from its mask (see
+    :mod:`~memplan.passes._rewrite.dropout_mask`); kept only if the graph's simulated peak does not rise."""
+    live = {n.name: n for n in graph.gm.graph.nodes}
+    patterns = [p for p in patterns if {p.dropout, p.out, p.mask, p.input} <= set(live)]
+    if not patterns:
+        return []
+    before = AnalysisManager(_with_state(graph, state)).get(PeakSimulation).peak
+    made = apply_dropout_from_mask(_with_state(graph, state), list(patterns), state)
+    if AnalysisManager(_with_state(graph, state)).get(PeakSimulation).peak <= before:
+        return list(patterns)
+    for pattern, again in zip(patterns, made):
+        again.replace_all_uses_with(live[pattern.out])
+        graph.gm.graph.erase_node(again)
+        for key in ("phases", "sources", "seq_nr"):
+            state[key].pop(again.name, None)
+    return []
+
+
 def _clone_oversized(graph: CapturedGraph, patterns: Sequence[OversizedResult], state: dict) -> list[OversizedResult]:
     """Clone each oversized result out of its storage (see :class:`OversizedResult`); the clones are kept
     only if they do not raise the graph's simulated peak (a clone made at the peak adds its bytes there)."""
@@ -1126,6 +1152,7 @@ _FINDERS: tuple[Callable[[CapturedGraph], Sequence[Rewrite]], ...] = (
     _find_scatter_into_zeros,
     _find_interleaved_slices,
     find_saved_before_write,
+    find_dropout_from_mask,
     _find_oversized_results,
 )
 
@@ -1164,7 +1191,7 @@ def apply_rewrite(graph: CapturedGraph, plan: RewritePlan) -> tuple[CapturedGrap
     done: list[Rewrite] = []
     live = {n.name for n in graph.gm.graph.nodes}
     for pattern in plan.rewrites:
-        if isinstance(pattern, (OversizedResult, SavedBeforeWrite)):
+        if isinstance(pattern, (OversizedResult, SavedBeforeWrite, DropoutFromMask)):
             continue  # last, on the graph the other rewrites leave
         current = _with_state(graph, state)
         if isinstance(pattern, (ScatterIntoZeros, InterleavedSlices)):
@@ -1184,6 +1211,7 @@ def apply_rewrite(graph: CapturedGraph, plan: RewritePlan) -> tuple[CapturedGrap
     if applied is None:  # they raised the peak: the plan without them, on a fresh copy
         return apply_rewrite(original, RewritePlan(tuple(p for p in plan.rewrites if not isinstance(p, SavedBeforeWrite))))
     done += applied
+    done += _remake_dropouts(graph, [p for p in plan.rewrites if isinstance(p, DropoutFromMask)], state)
     done += _clone_oversized(graph, [p for p in plan.rewrites if isinstance(p, OversizedResult)], state)
     graph.gm.recompile()
     live = {n.name for n in graph.gm.graph.nodes}
