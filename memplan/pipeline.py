@@ -693,21 +693,25 @@ class PassManager:
             result = self._run(copy_graph(graph), budgeted, known, pristine=graph)
             peak = _step_peak(result)
             chosen: tuple[Policy, Mapping[str, Policy] | None] = (budgeted, None)
-            fitting = [(result, peak, chosen)] if peak <= target else []
+            fitting: list[tuple[PipelineResult, int, tuple[Policy, Mapping[str, Policy] | None]]] = []
+
+            def consider(plan: PipelineResult, how: tuple[Policy, Mapping[str, Policy] | None]) -> None:
+                plan_peak = _step_peak(plan)
+                if plan_peak <= target:
+                    fitting.append((plan, plan_peak, how))
+
+            consider(result, chosen)
             # The passes that asked for a rung's budget alone (see register_pass) get it on top of the
             # rung before, the others choosing as they did there.
             if alone:
                 base, overrides = previous[0], {**(previous[1] or {}), **{n: budgeted for n in alone}}
-                other = self._run(copy_graph(graph), base, known, pristine=graph, overrides=overrides)
-                if _step_peak(other) <= target:
-                    fitting.append((other, _step_peak(other), (base, overrides)))
+                consider(self._run(copy_graph(graph), base, known, pristine=graph, overrides=overrides), (base, overrides))
             # A rung beyond the time allowance may be beaten on both counts by the plan within it (its passes
             # choosing the lowest peak each, where the rung's took what met the budget first).
             if peak <= target and result.plan_time > (1.0 + self.policy.max_overhead) * result.eager_time:
                 if unbudgeted is None:
                     unbudgeted = self._run(copy_graph(graph), within, known, pristine=graph)
-                if _step_peak(unbudgeted) <= target:
-                    fitting.append((unbudgeted, _step_peak(unbudgeted), (within, None)))
+                consider(unbudgeted, (within, None))
             if fitting:  # the rung: the fastest plan that fits it, the lower peak among equals
                 result, peak, chosen = min(fitting, key=lambda item: (item[0].plan_time, item[1]))
             else:
