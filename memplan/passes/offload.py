@@ -190,7 +190,6 @@ def eligible(graph: CapturedGraph, model: MemoryModel, min_bytes: int = 0) -> li
     tensors: Tensors = model.tensors
     position = model.liveness.position
     phases = graph.phases
-    by_name = {n.name: n for n in graph.gm.graph.nodes}
     index = {int(sid): k for k, sid in enumerate(model.storage)}
     found = []
     for node in graph.gm.graph.nodes:
@@ -212,7 +211,7 @@ def eligible(graph: CapturedGraph, model: MemoryModel, min_bytes: int = 0) -> li
         at = position[node.name]
         backward, forward_last, ok = [], at, True
         for member in storage.members:
-            alias = by_name[member]
+            alias = graph.node(member)
             if alias.op != "call_function" or phases.get(member) is not Phase.FORWARD or is_random(alias) \
                     or _collective(alias):
                 ok = False
@@ -245,10 +244,9 @@ def eligible(graph: CapturedGraph, model: MemoryModel, min_bytes: int = 0) -> li
 
 def _clock(graph: CapturedGraph, model: MemoryModel, rates: CostRates) -> list[float]:
     """``clock[i]``: the predicted seconds before position ``i`` runs (``clock[end]``: the whole graph)."""
-    by_name = {n.name: n for n in graph.gm.graph.nodes}
     clock = [0.0]
     for name in model.order:
-        node = by_name[name]
+        node = graph.node(name)
         clock.append(clock[-1] + (node_cost(node, rates) if node.op == "call_function" else 0.0))
     return clock
 
@@ -352,8 +350,7 @@ def apply_offload(graph: CapturedGraph, plan: OffloadPlan, model: MemoryModel) -
     """``graph`` with the copies and waits of ``plan`` inserted and the backward readers moved to the
     copies back (see the module docstring)."""
     editor = GraphEditor(graph)
-    by_name = {n.name: n for n in graph.gm.graph.nodes}
-    order = [by_name[name] for name in model.order]
+    order = [graph.node(name) for name in model.order]
     after: dict[int, list[torch.fx.Node]] = {}  # position -> nodes inserted after it so far (in order)
 
     def insert_after(position: int, target: Any, args: tuple, like: torch.fx.Node, phase: Phase,
@@ -365,7 +362,7 @@ def apply_offload(graph: CapturedGraph, plan: OffloadPlan, model: MemoryModel) -
         return node
 
     for p in plan.placed:
-        x = by_name[p.saved.name]
+        x = graph.node(p.saved.name)
         readers = [u for u in x.users if graph.phases.get(u.name) is Phase.BACKWARD]
         host = insert_after(p.saved.created, offload, (x,), x, Phase.FORWARD)
         host = insert_after(p.wait, offload_wait_, (host, x), x, Phase.FORWARD, value=host.meta["val"])
