@@ -71,6 +71,7 @@ def find_dropout_from_mask(graph: CapturedGraph) -> list[DropoutFromMask]:
         return []
     phases = graph.phases
     tensors: Tensors | None = None
+    last_write: dict[int, int] | None = None  # storage -> position of the last node writing into it
     position = {n: i for i, n in enumerate(graph.gm.graph.nodes)}
     found = []
     for node in graph.gm.graph.nodes:
@@ -90,10 +91,12 @@ def find_dropout_from_mask(graph: CapturedGraph) -> list[DropoutFromMask]:
             continue  # keeping x instead of out would keep as much
         if tensors is None:
             tensors = AnalysisManager(graph).get(Tensors)
+            last_write = _last_writes(graph, tensors)
         x_storages = set(tensors.storages_of(x.name))
         out_storages = set(tensors.storages_of(out.name))
-        if _written_after(graph, tensors, x_storages, position[node]) or _written_after(graph, tensors, out_storages, -1):
-            continue
+        if any(last_write.get(sid, -1) > position[node] for sid in x_storages) \
+                or any(sid in last_write for sid in out_storages):
+            continue  # x written after the dropout, or out written at all
         views = _views_read_backward(graph, out, [graph.node(m) for sid in out_storages
                                                    for m in tensors.storages[sid].members])
         if views is None or not views[1]:
@@ -141,15 +144,14 @@ def _views_read_backward(graph: CapturedGraph, out: torch.fx.Node,
     return tuple(n.name for n in order), read
 
 
-def _written_after(graph: CapturedGraph, tensors: Tensors, storages: set[int], after: int) -> bool:
-    """Whether a node after position ``after`` (graph order) writes into one of ``storages``."""
+def _last_writes(graph: CapturedGraph, tensors: Tensors) -> dict[int, int]:
+    """Per storage written in place, the position (graph order) of the last node writing into it."""
+    last: dict[int, int] = {}
     for i, node in enumerate(graph.gm.graph.nodes):
-        if i <= after:
-            continue
         for arg in mutated_args(node):
-            if storages & set(tensors.storages_of(arg.name)):
-                return True
-    return False
+            for sid in tensors.storages_of(arg.name):
+                last[sid] = i
+    return last
 
 
 def apply_dropout_from_mask(graph: CapturedGraph, patterns: list[DropoutFromMask], state: dict) -> list[torch.fx.Node]:
