@@ -14,6 +14,10 @@ Stages
 The modules are ordinary fx GraphModules executed eagerly: profilers and allocator statistics see
 their real allocations. Inference plans have only the forward module.
 
+Where hooks wait for gradients as they are made (DDP's reducer, an optimizer step in the backward), the
+backward runs in stages instead (see :func:`run_training`): its code, written again as a generator, pauses
+after each run of finished gradients and hands them to autograd.
+
 Stages (2) and (3) describe each module as a :class:`_Program`, a selection of the joint graph's nodes.
 The code that runs is generated from the programs directly (:func:`_boxed_source`), character for
 character the code fx would generate for the modules, so the modules themselves (copies of the
@@ -55,6 +59,9 @@ from memplan.opschema import GRAD_MODE_OPS
 
 __all__ = ["Emitted", "emit", "PlanFunction", "run_training"]
 
+# At most this many pauses in a staged backward, each an autograd node (see _Program.staged).
+MAX_STAGES = 16
+
 
 @dataclasses.dataclass(frozen=True)
 class Emitted:
@@ -89,6 +96,10 @@ class Emitted:
     # the backward op autocast would cast were the backward run inside the forward's autocast block
     # (see CapturedGraph.autocast_in_backward), or None
     autocast_in_backward: str | None = None
+    # the output positions (gradients) each pause of the staged backward gives out, in order (see
+    # _Program.staged), and a start of that backward (None without pauses; see run_training)
+    stages: tuple[tuple[int, ...], ...] = ()
+    start_staged: Callable[[list[Any]], Any] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @functools.cached_property
     def _modules(self) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule | None]:
@@ -123,6 +134,14 @@ class _HandOff:
 
     index: int
     value: torch.fx.Node
+
+
+@dataclasses.dataclass(eq=False)
+class _Yield:
+    """A line of the staged backward (see :meth:`_Program.staged`) that gives out the gradients handed off
+    just before it, and pauses the backward until autograd asks for the next stage."""
+
+    hands: list[_HandOff]
 
 
 _HANDS = threading.local()  # .sink: the backward running now takes gradients early (see PlanFunction)
@@ -213,6 +232,57 @@ class _Program:
             items.extend((hand, False) for hand in after.get(i, ()))
         self.items = items
 
+    def staged(self, max_stages: int) -> tuple[_Program, tuple[tuple[int, ...], ...]]:
+        """This backward program (after :meth:`hand_off_gradients`) paused after its gradients are handed
+        off: a copy whose code is a generator that yields, at most ``max_stages`` times, the gradients
+        handed off since its last pause, and returns the rest (None where it gave one out already). Also
+        the output positions each pause gives out. A group of hand-offs with nothing computed after it
+        gives nothing out early: those are returned.
+
+        Pauses are placed between runs of hand-offs, merged so that each stage gives out about an equal
+        share of the early gradients' bytes (autograd then hands each stage's to its leaves, and their
+        hooks fire, DDP's all-reduce among them, while the rest of the backward runs)."""
+        groups: list[tuple[int, list[_HandOff]]] = []  # (item position after the run, its hand-offs)
+        run: list[_HandOff] = []
+        for i, (item, _) in enumerate(self.items):
+            if isinstance(item, _HandOff):
+                run.append(item)
+            elif run:
+                groups.append((i, run))
+                run = []
+        sizes = [sum(_nbytes(hand.value) for hand in hands) for _, hands in groups]
+        share = sum(sizes) / max_stages if groups else 0
+        cuts: list[tuple[int, list[_HandOff]]] = []
+        pending: list[_HandOff] = []
+        held = 0
+        for (at, hands), size in zip(groups, sizes):
+            pending += hands
+            held += size
+            if held >= share or len(groups) <= max_stages:
+                cuts.append((at, pending))
+                pending, held = [], 0
+        if pending:
+            cuts.append((groups[-1][0], pending))
+        given: dict[int, int] = {}  # output position -> stage
+        pause_at: dict[int, _Yield] = {}
+        for stage, (at, hands) in enumerate(cuts):
+            pause_at[at] = _Yield(hands)
+            given.update((hand.index, stage) for hand in hands)
+        items = []
+        for i, item in enumerate(self.items):
+            if i in pause_at:
+                items.append((pause_at[i], False))
+            items.append(item)
+        outputs = [None if isinstance(v, _HandOff) and v.index in given else v for v in self.outputs]
+        stages = tuple(tuple(hand.index for hand in hands) for _, hands in cuts)
+        return _Program(items=items, alias=self.alias, outputs=outputs), stages
+
+
+def _nbytes(node: torch.fx.Node) -> int:
+    """Bytes of ``node``'s traced value (0 without one)."""
+    value = node.meta.get("val")
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
 
 def _storage_key(node: torch.fx.Node) -> Any:
     value = node.meta.get("val")
@@ -294,17 +364,22 @@ def emit(graph: CapturedGraph) -> Emitted:
         return modules[0], modules[1] if len(modules) > 1 else None
 
     runners: list[Callable[[list[Any]], Any]] = []
+    stages: tuple[tuple[int, ...], ...] = ()
+    start_staged = None
     try:
         for program, name in programs:
             source, globals_ = _boxed_source(program)
-            runners.append(_runner(gm, source, globals_, name, (node for node, saved in program.items
-                                                                if not saved and not isinstance(node, _HandOff)),
-                                   describe=graph.describe))
+            runners.append(_runner(gm, source, globals_, name, _calls(program), describe=graph.describe))
+        if graph.training:
+            staged, stages = bwd.staged(MAX_STAGES)
+            start_staged = _lazy_staged(gm, staged, graph.describe) if stages else None
     except _Unsupported:
-        # Something the direct code generation does not know: fx generates the modules' code.
+        # Something the direct code generation does not know: fx generates the modules' code (and the
+        # backward returns every gradient at its end: no stages).
         built = build_modules()
         runners = [fast_callable(module) for module in built if module is not None]
         build_modules = lambda: built  # noqa: E731 - the modules already built
+        stages, start_staged = (), None
 
     differentiable = tuple(i for i, s in enumerate(model_outputs) if s.differentiable)
     tangents = [node.meta["val"] for node in placeholders if node.name in tangent_names]
@@ -327,7 +402,31 @@ def emit(graph: CapturedGraph) -> Emitted:
         run_backward=runners[1] if len(runners) > 1 else None,
         build_modules=build_modules,
         autocast_in_backward=graph.autocast_in_backward,
+        stages=stages,
+        start_staged=start_staged,
     )
+
+
+def _calls(program: _Program) -> Iterable[torch.fx.Node]:
+    """The nodes whose calls ``program``'s code makes (see :func:`_runner`)."""
+    return (node for node, saved in program.items if not saved and not isinstance(node, (_HandOff, _Yield)))
+
+
+def _lazy_staged(root: torch.fx.GraphModule, program: _Program, describe: Callable[[str], str]) -> Callable[[list[Any]], _Stages]:
+    """Starts ``program`` (a staged backward) on its arguments; its code is generated and compiled on the
+    first start, as most plans never run staged (see :func:`run_training`)."""
+    made: list[Callable[[list[Any]], _Stages]] = []
+    lock = threading.Lock()
+
+    def start(args: list[Any]) -> _Stages:
+        if not made:
+            with lock:
+                if not made:
+                    source, globals_ = _boxed_source(program)
+                    made.append(_staged_runner(root, source, globals_, "MemplanBackward", _calls(program), describe))
+        return made[0](args)
+
+    return start
 
 
 def _tangent_masks(nodes: Sequence[torch.fx.Node], tangents: Sequence[torch.fx.Node], grads: Sequence[Any]) -> tuple[int, ...]:
@@ -353,17 +452,47 @@ def run_training(emitted: Emitted, flat: Sequence[torch.Tensor]) -> list[Any]:
     outputs' gradients were held through the whole planned backward, where eager frees each after
     the last op that reads it (with the loss outside the model, a full gradient of the logits). The
     release node returns at once, handing them over, and the backward frees each at its last read.
+
+    Where someone listens for gradients as they are made (``torch.distributed`` is initialized: DDP's
+    reducer starts each bucket's all-reduce from hooks on the parameters' gradient accumulators; or a
+    leaf has a post-accumulate-grad hook, an optimizer step in the backward), the backward runs in
+    stages (:meth:`_Program.staged`): one :class:`_Stage` node per pause between the release and
+    ``PlanFunction``, each an autograd input of the leaves whose gradients it gives out. Autograd runs
+    each leaf's accumulation, and its hooks, as soon as its stage returns, before the next stage runs,
+    as it does for eager's per-op nodes; the values live across stages stay in the paused backward.
     """
     relay = _Relay()
+    stages = emitted.stages if emitted.start_staged is not None and _listened(emitted, flat) else ()
+    if stages:
+        early = {emitted.grad_inputs[k] for stage in stages for k in stage}
+        own = [None if i in early else x for i, x in enumerate(flat)]
+        if any(isinstance(x, torch.Tensor) and x.requires_grad for x in own):
+            relay.flat = flat
+            token = PlanFunction.apply(emitted, relay, *own)
+            for stage in range(len(stages) - 1, -1, -1):  # the first stage runs first: made last
+                token = _Stage.apply(relay, stage, token, *[flat[emitted.grad_inputs[k]] for k in stages[stage]])
+            return list(_Release.apply(relay, token))
     token = PlanFunction.apply(emitted, relay, *flat)
     return list(_Release.apply(relay, token))
 
 
+def _listened(emitted: Emitted, flat: Sequence[Any]) -> bool:
+    """Whether a hook may wait for a gradient of this call as it is made (see :func:`run_training`)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return True
+    for i in emitted.grad_inputs:
+        x = flat[i]
+        if isinstance(x, torch.Tensor) and x.is_leaf and getattr(x, "_post_accumulate_grad_hooks", None):
+            return True
+    return False
+
+
 class _Relay:
     """Carries one call's outputs from :class:`PlanFunction` to :class:`_Release`, and their
-    gradients back (each taken once, so the relay holds nothing after)."""
+    gradients back (each taken once, so the relay holds nothing after); in a staged backward, the
+    values the stages share (see :func:`run_training`)."""
 
-    __slots__ = ("emitted", "outputs", "inputs", "grads", "token", "given")
+    __slots__ = ("emitted", "outputs", "inputs", "grads", "token", "given", "flat", "saved", "steps", "sent", "anchors")
 
     def __init__(self) -> None:
         self.emitted: Emitted | None = None  # the plan: which outputs take a gradient, which the forward reads
@@ -372,6 +501,11 @@ class _Relay:
         self.grads: tuple[Any, ...] | None = None
         self.token: torch.device | None = None  # where the plan's empty tensor is, and its gradient
         self.given: dict[int, Any] = {}
+        self.flat: Sequence[Any] | None = None  # staged: every input of the plan (PlanFunction takes some)
+        self.saved: list[Any] | None = None  # staged: the saved values, from the forward to the first stage
+        self.steps: _Stages | None = None  # staged: the backward, paused between stages
+        self.sent = 0  # bit j: the j-th differentiable output received a gradient
+        self.anchors: list[torch.Tensor] = []  # create_graph: the backward's inputs that require grad
 
 
 def _as_saved(value: torch.Tensor) -> torch.Tensor:
@@ -394,11 +528,27 @@ def _as_saved(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def _save(ctx: Any, emitted: Emitted, saved: Sequence[Any]) -> None:
+    """Keep a plan's saved values on ``ctx``: tensors through autograd's saving; the plain values a graph
+    can save too (a Python number read from a tensor by .item() that the backward reads) on ctx, in
+    their places."""
+    if emitted.plain_saved:
+        plain = set(emitted.plain_saved)
+        ctx.plain_values = {i: saved[i] for i in emitted.plain_saved}
+        ctx.save_for_backward(*[_as_saved(v) for i, v in enumerate(saved) if i not in plain])
+    else:
+        ctx.save_for_backward(*map(_as_saved, saved))
+
+
 class PlanFunction(torch.autograd.Function):
-    """Runs an :class:`Emitted` plan's forward, and its backward when autograd asks (see :func:`run_training`)."""
+    """Runs an :class:`Emitted` plan's forward, and its backward when autograd asks (see :func:`run_training`).
+    In a staged backward it runs the last stage."""
 
     @staticmethod
     def forward(ctx: Any, emitted: Emitted, relay: _Relay, *flat: torch.Tensor) -> torch.Tensor:
+        staged = relay.flat is not None
+        if staged:  # the inputs the stages take are passed as None, and every input in the relay
+            flat, relay.flat = relay.flat, None
         results = emitted.run_forward([*flat])
         outputs = list(results[: emitted.n_outputs])
         saved = results[emitted.n_outputs :]
@@ -408,14 +558,11 @@ class PlanFunction(torch.autograd.Function):
         # the leaves a gradient goes to, for adding it to their .grad early (see _early_accumulation)
         ctx.leaves = [weakref.ref(flat[i]) if flat[i].is_leaf and flat[i].requires_grad else None
                       for i in emitted.grad_inputs]
-        # Tensors go through autograd's saving; the plain values a graph can save too (a Python number
-        # read from a tensor by .item() that the backward reads) are kept on ctx, in their places.
-        if emitted.plain_saved:
-            plain = set(emitted.plain_saved)
-            ctx.plain_values = {i: saved[i] for i in emitted.plain_saved}
-            ctx.save_for_backward(*[_as_saved(v) for i, v in enumerate(saved) if i not in plain])
+        ctx.staged = staged
+        if staged:
+            relay.saved = saved  # the first stage keeps them (it runs first in the backward)
         else:
-            ctx.save_for_backward(*map(_as_saved, saved))
+            _save(ctx, emitted, saved)
         relay.outputs = outputs
         relay.inputs = frozenset(id(x) for x in flat)
         relay.emitted = emitted
@@ -428,54 +575,119 @@ class PlanFunction(torch.autograd.Function):
     def backward(ctx: Any, _token: torch.Tensor) -> tuple[Any, ...]:
         emitted: Emitted = ctx.emitted
         relay: _Relay = ctx.relay
-        if emitted.autocast_in_backward is not None and any(map(torch.is_autocast_enabled, AUTOCAST_KINDS)):
-            raise AutocastBackwardError(
-                f"the plan's backward runs inside an autocast block, which would cast "
-                f"{emitted.autocast_in_backward} in eager's backward; memplan planned the backward as it runs "
-                "outside the block. Fix: call backward() after the `with torch.autocast(...)` block ends, as "
-                "torch's automatic mixed precision recipes do (the forward and the loss stay inside)."
-            )
-        grad_outputs, relay.grads = relay.grads, None
-        grad_outputs_sent = [g is not None for g in grad_outputs] if grad_outputs is not None else [False] * emitted.n_outputs
-        args: list[Any] = list(ctx.saved_tensors)
-        for i in emitted.plain_saved:  # ascending: each goes back to its place
-            args.insert(i, ctx.plain_values[i])
-        # Autograd would keep its copies until this whole backward returns; drop them now (unless the
-        # graph is retained), so the boxed backward frees each saved tensor at its last use.
-        ctx.maybe_clear_saved_tensors()
-        # every tangent a broadcast scalar (or absent): the backward may take them so where it refuses one
-        # alone (OutputSpec.broadcast_together)
-        broadcast = grad_outputs is None or all(grad_outputs[i] is None or _is_broadcast_scalar(grad_outputs[i])
-                                                for i in emitted.differentiable)
-        for i, (shape, dtype, device), dense, together in zip(emitted.differentiable, emitted.tangents,
-                                                              emitted.dense_tangents, emitted.broadcast_together):
-            grad = grad_outputs[i] if grad_outputs is not None else None
-            if dense and not (together and broadcast):  # the backward refuses a broadcast scalar here
-                args.append(torch.zeros(shape, dtype=dtype, device=device) if grad is None else grad.contiguous())
-            else:
-                args.append(torch.zeros((), dtype=dtype, device=device).expand(shape) if grad is None
-                            else _as_traced_layout(grad))
-        grad = grad_outputs = None  # the boxed backward holds the gradients now, and frees each at its last read
-        # Autograd runs a backward with grad mode on only for create_graph=True. The gradients are still
-        # the plan's (computed without recording), and asking for their own gradients is refused: a
-        # graph recorded through the plan's code would miss every term through the values it saved.
-        anchors = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad] if torch.is_grad_enabled() else []
-        sink = None if anchors or torch.is_grad_enabled() else _early_accumulation(ctx.leaves)
-        previous, _HANDS.sink = getattr(_HANDS, "sink", None), sink
+        if ctx.staged:
+            steps, relay.steps = relay.steps, None
+            if steps is None:
+                raise AssertionError("the plan's staged backward reached its last stage without its first")
+            previous, _HANDS.sink = getattr(_HANDS, "sink", None), None  # autograd accumulates each leaf's
+            try:
+                with torch.no_grad():
+                    done, grads = steps.next()
+            finally:
+                _HANDS.sink = previous
+            if not done:
+                raise AssertionError("the plan's staged backward paused more often than it has stages")
+        else:
+            args = _backward_arguments(ctx, emitted, relay)
+            # Autograd runs a backward with grad mode on only for create_graph=True. The gradients are still
+            # the plan's (computed without recording), and asking for their own gradients is refused: a
+            # graph recorded through the plan's code would miss every term through the values it saved.
+            sink = None if relay.anchors or torch.is_grad_enabled() else _early_accumulation(ctx.leaves)
+            previous, _HANDS.sink = getattr(_HANDS, "sink", None), sink
+            try:
+                with torch.no_grad():
+                    grads = emitted.run_backward(args)
+            finally:
+                _HANDS.sink = previous
+        result: list[Any] = [None] * (2 + ctx.n_inputs)
+        for index, grad in zip(emitted.grad_inputs, _gradients(emitted, range(len(grads)), grads, relay)):
+            result[2 + index] = grad
+        relay.anchors = []
+        return tuple(result)
+
+
+def _backward_arguments(ctx: Any, emitted: Emitted, relay: _Relay) -> list[Any]:
+    """The planned backward's arguments, from the values ``ctx`` saved and the outputs' gradients in
+    ``relay`` (taken from it); notes in ``relay`` which outputs received one, and under create_graph
+    the arguments that require grad."""
+    if emitted.autocast_in_backward is not None and any(map(torch.is_autocast_enabled, AUTOCAST_KINDS)):
+        raise AutocastBackwardError(
+            f"the plan's backward runs inside an autocast block, which would cast "
+            f"{emitted.autocast_in_backward} in eager's backward; memplan planned the backward as it runs "
+            "outside the block. Fix: call backward() after the `with torch.autocast(...)` block ends, as "
+            "torch's automatic mixed precision recipes do (the forward and the loss stay inside)."
+        )
+    grad_outputs, relay.grads = relay.grads, None
+    grad_outputs_sent = [g is not None for g in grad_outputs] if grad_outputs is not None else [False] * emitted.n_outputs
+    relay.sent = sum(1 << j for j, i in enumerate(emitted.differentiable) if grad_outputs_sent[i])
+    args: list[Any] = list(ctx.saved_tensors)
+    for i in emitted.plain_saved:  # ascending: each goes back to its place
+        args.insert(i, ctx.plain_values[i])
+    # Autograd would keep its copies until this whole backward returns; drop them now (unless the
+    # graph is retained), so the boxed backward frees each saved tensor at its last use.
+    ctx.maybe_clear_saved_tensors()
+    # every tangent a broadcast scalar (or absent): the backward may take them so where it refuses one
+    # alone (OutputSpec.broadcast_together)
+    broadcast = grad_outputs is None or all(grad_outputs[i] is None or _is_broadcast_scalar(grad_outputs[i])
+                                            for i in emitted.differentiable)
+    for i, (shape, dtype, device), dense, together in zip(emitted.differentiable, emitted.tangents,
+                                                          emitted.dense_tangents, emitted.broadcast_together):
+        grad = grad_outputs[i] if grad_outputs is not None else None
+        if dense and not (together and broadcast):  # the backward refuses a broadcast scalar here
+            args.append(torch.zeros(shape, dtype=dtype, device=device) if grad is None else grad.contiguous())
+        else:
+            args.append(torch.zeros((), dtype=dtype, device=device).expand(shape) if grad is None
+                        else _as_traced_layout(grad))
+    relay.anchors = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad] if torch.is_grad_enabled() else []
+    return args
+
+
+def _gradients(emitted: Emitted, positions: Iterable[int], grads: Sequence[Any], relay: _Relay) -> list[Any]:
+    """The planned backward's gradients at ``positions`` (of its outputs) as autograd receives them."""
+    result = []
+    for k, grad in zip(positions, grads):
+        needs = emitted.grad_tangents[k]
+        # an input reached only through outputs the loss does not reach gets None, as in eager (an
+        # optimizer skips it), not the zeros the plan computed from broadcast zero tangents
+        if needs and not needs & relay.sent:
+            grad = None
+        elif relay.anchors and isinstance(grad, torch.Tensor):
+            grad = _FirstOrderOnly.apply(grad, *relay.anchors)
+        result.append(grad)
+    return result
+
+
+class _Stage(torch.autograd.Function):
+    """A pause of a staged backward (see :func:`run_training`): its backward runs the plan's backward to
+    its next pause and returns the gradients given out there, to its inputs (the leaves they belong
+    to). The first stage keeps the saved values, and starts the plan's backward."""
+
+    @staticmethod
+    def forward(ctx: Any, relay: _Relay, stage: int, token: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.relay, ctx.stage = relay, stage
+        if stage == 0:
+            saved, relay.saved = relay.saved, None
+            _save(ctx, relay.emitted, saved)
+        return torch.empty(0, device=relay.token)
+
+    @staticmethod
+    def backward(ctx: Any, _token: torch.Tensor) -> tuple[Any, ...]:
+        relay: _Relay = ctx.relay
+        emitted = relay.emitted
+        if ctx.stage == 0:  # (in the backward's grad mode: it reads create_graph's anchors)
+            relay.steps = emitted.start_staged(_backward_arguments(ctx, emitted, relay))
+        elif relay.steps is None:
+            raise AssertionError("a stage of the plan's backward ran before the first")
+        previous, _HANDS.sink = getattr(_HANDS, "sink", None), None  # autograd accumulates each leaf's
         try:
             with torch.no_grad():
-                grads = emitted.run_backward(args)
+                done, given = relay.steps.next()
         finally:
             _HANDS.sink = previous
-        if anchors:
-            grads = [g if not isinstance(g, torch.Tensor) else _FirstOrderOnly.apply(g, *anchors) for g in grads]
-        result: list[Any] = [None] * (2 + ctx.n_inputs)
-        sent = sum(1 << j for j, i in enumerate(emitted.differentiable) if grad_outputs_sent[i])
-        for index, grad, needs in zip(emitted.grad_inputs, grads, emitted.grad_tangents):
-            # an input reached only through outputs the loss does not reach gets None, as in eager (an
-            # optimizer skips it), not the zeros the plan computed from broadcast zero tangents
-            result[2 + index] = None if needs and not needs & sent else grad
-        return tuple(result)
+        if done:
+            raise AssertionError("the plan's staged backward ended before its last stage")
+        positions = emitted.stages[ctx.stage]
+        return (None, None, torch.empty(0, device=relay.token), *_gradients(emitted, positions, given, relay))
 
 
 _ACCUMULATING = threading.Lock()  # held while a planned backward adds a gradient to a .grad (see _early_accumulation)
@@ -639,6 +851,61 @@ def _runner(
     :func:`fast_callable`; ``nodes`` are the calls the code makes, which choose the bindings), and call it
     with ``root`` as ``self`` (where its submodules and attributes are). An exception an op raises gets a
     note naming the op and, through ``describe`` (a node name to its op and the user's line), its line."""
+    function, source = _compiled(src, globals_, name, nodes)
+
+    def call(args: list[Any]) -> Any:
+        try:
+            if not any(map(torch.is_autocast_enabled, AUTOCAST_KINDS)):
+                return function(root, args)
+            with autocast_off():
+                return function(root, args)
+        except Exception as exc:
+            _note_failing_op(exc, f"<memplan {name}>", source, describe)
+            raise
+
+    return call
+
+
+def _staged_runner(
+    root: torch.nn.Module, src: str, globals_: dict[str, Any], name: str, nodes: Iterable[torch.fx.Node],
+    describe: Callable[[str], str] | None = None,
+) -> Callable[[list[Any]], _Stages]:
+    """:func:`_runner` for the code of a staged backward (a generator, see :meth:`_Program.staged`): a
+    call starts it and returns its :class:`_Stages`."""
+    function, source = _compiled(src, globals_, name, nodes)
+    return lambda args: _Stages(function(root, args), source, name, describe)
+
+
+class _Stages:
+    """A staged backward started on its arguments: :meth:`next` runs it to its next pause."""
+
+    __slots__ = ("generator", "source", "name", "describe")
+
+    def __init__(self, generator: Any, source: str, name: str, describe: Callable[[str], str] | None) -> None:
+        self.generator, self.source, self.name, self.describe = generator, source, name, describe
+
+    def next(self) -> tuple[bool, Any]:
+        """Run to the next pause: ``(False, gradients it gives out)``, or at the end ``(True, the rest)``,
+        as :func:`_runner`'s call runs the whole (autocast off, a failing op named)."""
+        try:
+            if not any(map(torch.is_autocast_enabled, AUTOCAST_KINDS)):
+                given = next(self.generator)
+            else:
+                with autocast_off():
+                    given = next(self.generator)
+            out = tuple(given)
+            given.clear()  # the paused code holds none of them now
+            return False, out
+        except StopIteration as stop:
+            return True, stop.value
+        except Exception as exc:
+            _note_failing_op(exc, f"<memplan {self.name}>", self.source, self.describe)
+            raise
+
+
+def _compiled(src: str, globals_: dict[str, Any], name: str, nodes: Iterable[torch.fx.Node]) -> tuple[Callable[..., Any], str]:
+    """The function ``forward`` that ``src`` defines, compiled with its operators bound (see
+    :func:`fast_callable`), and the source that was compiled."""
     bound: dict[str, Any] = {}
     names: dict[str, str] = {}
     nodes = list(nodes)
@@ -663,19 +930,7 @@ def _runner(
     namespace = dict(globals_)
     namespace.update(bound)
     exec(compile(source, f"<memplan {name}>", "exec"), namespace)
-    function = namespace["forward"]
-
-    def call(args: list[Any]) -> Any:
-        try:
-            if not any(map(torch.is_autocast_enabled, AUTOCAST_KINDS)):
-                return function(root, args)
-            with autocast_off():
-                return function(root, args)
-        except Exception as exc:
-            _note_failing_op(exc, f"<memplan {name}>", source, describe)
-            raise
-
-    return call
+    return namespace["forward"], source
 
 
 # A plan's code runs without autocast on the devices capture follows (AUTOCAST_KINDS). Capture records
@@ -930,6 +1185,13 @@ def _boxed_source(program: _Program) -> tuple[str, dict[str, Any]]:
             keys.append(node)
             inputs.append(reads)
             continue
+        if isinstance(node, _Yield):  # a pause of the staged backward (see _Program.staged)
+            names[node] = name = graph_names.create_name("stage", None)
+            reads = {}
+            lines.append(f"{name} = {code(list(node.hands), reads)}")  # yielded below, once they are freed
+            keys.append(node)
+            inputs.append(reads)
+            continue
         if node.type is not None or node.meta.get("is_wrapped", False):
             raise _Unsupported("type annotation or wrapped function")
         if saved:
@@ -984,7 +1246,14 @@ def _boxed_source(program: _Program) -> tuple[str, dict[str, Any]]:
         freed = [names[value] for value in last_reads[i]]
         if keys[i] is not None and keys[i] not in read:
             freed.append(names[keys[i]])
-        if freed and keys[i] is not None:
+        if isinstance(keys[i], _Yield):
+            # the list is the only reference to the gradients while the backward is paused: the stage
+            # empties it, so each is freed as soon as autograd is done with it (a hook may drop it)
+            name = names[keys[i]]
+            freed = [f for f in freed if f != name]
+            freeing = f";  {' = '.join(freed)} = None" if freed else ""
+            line = f"{line}{freeing};  {name} = yield {name};  {name} = None"
+        elif freed and keys[i] is not None:
             line = f"{line};  {' = '.join(freed)} = None"
         body.append(line)
     body.append(lines[-1])

@@ -6,9 +6,8 @@ FSDP2: ``fully_shard`` over planned blocks and the root, each block planned once
 parameters in and out around every call; a plan that recomputes in the backward makes no extra all-gather
 or reduce-scatter. ``memplan.distributed.check_plans``: silent when the ranks' plans agree, a
 ``PlanMismatchError`` on every rank when they do not.
-What it does not show yet: overlap. A plan's backward is one autograd node that returns every gradient at its
-end, so DDP's per-parameter hooks fire together after it, and its all-reduces do not overlap the backward
-(see docs/compile.md).
+Overlap under DDP: a plan's backward runs in stages where torch.distributed is initialized (see
+``memplan.emit.run_training``), so each bucket's all-reduce starts while the backward goes on, as under eager.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import memplan
 
@@ -78,21 +78,70 @@ def _spawn(worker, *args) -> dict:
         return dict(out)
 
 
+class _Log(TorchDispatchMode):
+    """Every op dispatched while it is on, in order, beside the marks of DDP's bucket hook."""
+
+    def __init__(self, events: list):
+        super().__init__()
+        self.events = events
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.events.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def _logged_buckets(ddp, events: list) -> None:
+    """Mark in ``events`` each bucket DDP's reducer finds ready, then all-reduce it as DDP does."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    def hook(state, bucket):
+        events.append("bucket")
+        return default_hooks.allreduce_hook(None, bucket)
+
+    ddp.register_comm_hook(None, hook)
+
+
 def _worker(rank: int, port: int, state: dict, mode: str, out: dict) -> None:
     with _group(rank, port):
         model = Net()
         model.load_state_dict(state)
-        ddp = nn.parallel.DistributedDataParallel(memplan.optimize(model), static_graph=(mode == "static"))
-        batches = _batches(2)
+        # buckets of a few KiB: one per layer, each all-reduced once its gradients are ready
+        ddp = nn.parallel.DistributedDataParallel(memplan.optimize(model), static_graph=(mode == "static"),
+                                                  bucket_cap_mb=0.004)
+        events: list = []
+        _logged_buckets(ddp, events)
+        batches = _batches(_steps(mode))
         if mode == "no_sync":  # two micro-batches, the all-reduce on the second
             with ddp.no_sync():
                 ddp(batches[0][rank::WORLD]).sum().backward()
             ddp(batches[1][rank::WORLD]).sum().backward()
         else:
-            for batch in batches:  # two steps, gradients accumulating in .grad
-                ddp(batch[rank::WORLD]).sum().backward()
+            for batch in batches:  # three steps, gradients accumulating in .grad
+                loss = ddp(batch[rank::WORLD]).sum()
+                events.clear()
+                with _Log(events):
+                    loss.backward()
         out[rank] = {name: p.grad.clone() for name, p in model.named_parameters()}
         out[f"planned{rank}"] = ddp.module.plan is not None
+        # the last backward: where each bucket's all-reduce started among the backward's ops
+        out[f"events{rank}"] = [e if isinstance(e, str) else str(e) for e in events]
+        if mode == "plain":  # the step's peak, DDP alone and over a plan, at a batch whose activations count
+            wide = torch.randn(512, 10, generator=torch.Generator().manual_seed(rank))
+            for variant, module in (("ddp", model), ("memplan", memplan.optimize(model))):
+                wrapped = nn.parallel.DistributedDataParallel(module)
+
+                def step():
+                    model.zero_grad(set_to_none=True)
+                    wrapped(wide).sum().backward()
+
+                step()
+                out[f"peak_{variant}{rank}"] = memplan.measure(step).peak
+
+
+def _steps(mode: str) -> int:
+    # DDP rebuilds its buckets after the first step, under static_graph after the second: the third
+    # backward runs with the buckets of the rest of training
+    return 2 if mode == "no_sync" else 3
 
 
 def _run(mode: str) -> dict:
@@ -103,7 +152,7 @@ def _run(mode: str) -> dict:
     # one process over every rank's data: DDP averages the ranks' gradients, each from half the batch
     reference = Net()
     reference.load_state_dict(state)
-    for batch in _batches(2):
+    for batch in _batches(_steps(mode)):
         (reference(batch).sum() / WORLD).backward()
     return found, {name: p.grad for name, p in reference.named_parameters()}
 
@@ -115,6 +164,18 @@ def test_ddp_over_a_plan_gives_one_processs_gradients(mode):
     for rank in range(WORLD):
         for name, grad in expected.items():
             torch.testing.assert_close(found[rank][name], grad, msg=lambda m, name=name: f"rank {rank} {name}: {m}")
+        if mode == "no_sync":
+            continue
+        events = found[f"events{rank}"]
+        buckets = [i for i, e in enumerate(events) if e == "bucket"]
+        assert len(buckets) >= 2, str([(i, e) for i, e in enumerate(events) if e == "bucket" or "mm" in e])
+        # Communication overlaps the backward: the plan's backward goes on computing gradients (matrix
+        # products) after the first bucket's all-reduce started, as eager's does; with one autograd node
+        # for the whole backward, every bucket was ready only after its last op.
+        products = [i for i, e in enumerate(events) if e.startswith("aten.mm")]
+        assert buckets[0] < products[-1], events
+        if mode == "plain":
+            assert found[f"peak_memplan{rank}"] < found[f"peak_ddp{rank}"]
 
 
 class Block(nn.Module):
