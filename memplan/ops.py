@@ -74,6 +74,27 @@ of the device).
 >>> host = torch.ops.memplan.offload_wait_(torch.ops.memplan.offload(x), x)
 >>> torch.ops.memplan.prefetch_wait_(torch.ops.memplan.prefetch(host, torch.device("cpu")))
 tensor([0., 1., 2., 3.])
+
+A draw made again: two operators that the ``rewrite`` pass puts around a dropout's noise (``empty_like(x)
+.bernoulli_(q)``, what ``F.dropout`` runs on a CPU), so that the backward draws it again instead of keeping it
+(:mod:`memplan.passes._rewrite.noise_replay`).
+
+``state = torch.ops.memplan.rng_state(like)``
+    A copy of the state of the default generator of ``like``'s device (a CPU ``uint8`` tensor). Tagged as
+    drawing from the RNG, so that no pass moves it across another draw: taken right before the draw it
+    belongs to, it is the state that draw started from.
+``out = torch.ops.memplan.replay_bernoulli_(out, p, state)``
+    ``out.bernoulli_(p)`` drawn from ``state``, the generator then put back to the state it had: the same
+    bits as the draw that started from ``state``, on a tensor of the same shape and strides, and no draw
+    after it moves. Not tagged as drawing: it runs the same every time.
+
+>>> noise = torch.empty(6)
+>>> state = torch.ops.memplan.rng_state(noise)
+>>> first = noise.bernoulli_(0.5).clone()
+>>> after = torch.rand(2)  # later draws go on from where the first left the generator
+>>> again = torch.ops.memplan.replay_bernoulli_(torch.empty(6), 0.5, state)
+>>> torch.equal(again, first)
+True
 """
 
 from __future__ import annotations
@@ -84,7 +105,7 @@ import warnings
 import torch
 
 __all__ = ["grouped_addmm_", "grouped_addmm_blocks", "offload", "offload_wait_", "prefetch", "prefetch_wait_",
-           "HOST_OPS", "TIER_OPS"]
+           "HOST_OPS", "TIER_OPS", "rng_state", "replay_bernoulli_"]
 
 _LIBRARY = torch.library.Library("memplan", "DEF")
 _LIBRARY.define(
@@ -291,3 +312,56 @@ prefetch_wait_ = torch.ops.memplan.prefetch_wait_.default
 HOST_OPS = frozenset({offload})
 #: Every operator of the host tier.
 TIER_OPS = frozenset({offload, offload_wait_, prefetch, prefetch_wait_})
+
+
+# ----------------------------------------------------------------------------------------------
+# a draw made again (see the module docstring)
+
+_LIBRARY.define("rng_state(Tensor like) -> Tensor", tags=(torch.Tag.nondeterministic_seeded,))
+_LIBRARY.define("replay_bernoulli_(Tensor(a!) self, float p, Tensor state) -> Tensor(a!)")
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    """The default generator of ``device``: the one an op called without ``generator=`` draws from."""
+    if device.type == "cpu":
+        return torch.default_generator
+    module = torch.get_device_module(device.type)
+    index = device.index if device.index is not None else module.current_device()
+    return module.default_generators[index]
+
+
+def _rng_state(like: torch.Tensor) -> torch.Tensor:
+    return _generator(like.device).get_state()
+
+
+def _replay_bernoulli_(out: torch.Tensor, p: float, state: torch.Tensor) -> torch.Tensor:
+    generator = _generator(out.device)
+    current = generator.get_state()
+    generator.set_state(state)
+    try:
+        out.bernoulli_(p)
+    finally:
+        generator.set_state(current)
+    return out
+
+
+def _state_bytes(device: torch.device) -> int:
+    """Bytes of the state of ``device``'s default generator (a fake tensor's device may have no generator
+    on this machine: CUDA's state is a seed and an offset)."""
+    try:
+        return _generator(device).get_state().numel()
+    except (RuntimeError, AssertionError, AttributeError):
+        return 16
+
+
+def _rng_state_fake(like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(_state_bytes(like.device), dtype=torch.uint8, device="cpu")
+
+
+_LIBRARY.impl("rng_state", _rng_state, "CompositeExplicitAutograd")
+_LIBRARY.impl("replay_bernoulli_", _replay_bernoulli_, "CompositeExplicitAutograd")
+torch.library.register_fake("memplan::rng_state", _rng_state_fake, lib=_LIBRARY)
+_LIBRARY.impl("replay_bernoulli_", _returns_first, "Meta")
+
+rng_state = torch.ops.memplan.rng_state.default
+replay_bernoulli_ = torch.ops.memplan.replay_bernoulli_.default

@@ -50,6 +50,12 @@ eager's (up to summation order):
     and the output dies in the forward (:mod:`~memplan.passes._rewrite.dropout_mask`). Kept only if the
     simulated peak does not rise.
 
+(i) **Dropout's noise drawn again.** ``empty_like(x).bernoulli_(q).div_(q)`` (``F.dropout`` on a CPU, or a
+    mask written so by hand) keeps a float tensor the size of ``x`` for the product's backward. The
+    forward now takes the generator's state right before the draw, and the backward draws the noise
+    again from it, as ``torch.utils.checkpoint`` recomputes a draw: the same bits, no later draw moved
+    (:mod:`~memplan.passes._rewrite.noise_replay`). Kept only if the simulated peak does not rise.
+
 (g) **Attention written out.** ``softmax(q @ k^T * scale [+ bias] [masked -inf]) @ v`` over heads as
     batch dimensions (``matmul``, ``bmm``, einsum) becomes one ``F.scaled_dot_product_attention``,
     whose fused kernel keeps a log-sum-exp per query instead of the scores and the probabilities
@@ -139,6 +145,7 @@ from memplan.passes._chunk.graphs import copy_graph, fake_call, fake_mode_of
 from memplan.passes._chunk.rules import Split
 from memplan.passes._rewrite.attention import Attention, find_attention
 from memplan.passes._rewrite.dropout_mask import DropoutFromMask, apply_dropout_from_mask, find_dropout_from_mask
+from memplan.passes._rewrite.noise_replay import NoiseReplay, apply_noise_replay, find_noise_replay, undo_noise_replay
 from memplan.passes._rewrite.linear_ce import LinearCrossEntropy, admit, find_linear_cross_entropy
 from memplan.passes._rewrite.region import (
     Replacement,
@@ -285,7 +292,7 @@ class OversizedResult:
 
 
 Rewrite = Union[Attention, BroadcastMatmul, MatmulMax, ScatterIntoZeros, InterleavedSlices, OversizedResult,
-                "BroadcastProduct", SavedBeforeWrite, LinearCrossEntropy, DropoutFromMask]
+                "BroadcastProduct", SavedBeforeWrite, LinearCrossEntropy, DropoutFromMask, NoiseReplay]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1073,6 +1080,21 @@ def _remake_dropouts(graph: CapturedGraph, patterns: Sequence[DropoutFromMask], 
     return []
 
 
+def _replay_noise(graph: CapturedGraph, patterns: Sequence[NoiseReplay], state: dict) -> list[NoiseReplay]:
+    """Draw each noise again in the backward from the generator's state (see
+    :mod:`~memplan.passes._rewrite.noise_replay`); kept only if the graph's simulated peak does not rise."""
+    live = {n.name for n in graph.gm.graph.nodes}
+    patterns = [p for p in patterns if p.claimed() <= live]
+    if not patterns:
+        return []
+    before = AnalysisManager(_with_state(graph, state)).get(PeakSimulation).peak
+    applied = apply_noise_replay(_with_state(graph, state), list(patterns), state)
+    if AnalysisManager(_with_state(graph, state)).get(PeakSimulation).peak <= before:
+        return list(patterns)
+    undo_noise_replay(graph, applied, state)
+    return []
+
+
 def _clone_oversized(graph: CapturedGraph, patterns: Sequence[OversizedResult], state: dict) -> list[OversizedResult]:
     """Clone each oversized result out of its storage (see :class:`OversizedResult`); the clones are kept
     only if they do not raise the graph's simulated peak (a clone made at the peak adds its bytes there)."""
@@ -1153,6 +1175,7 @@ _FINDERS: tuple[Callable[[CapturedGraph], Sequence[Rewrite]], ...] = (
     _find_interleaved_slices,
     find_saved_before_write,
     find_dropout_from_mask,
+    find_noise_replay,
     _find_oversized_results,
 )
 
@@ -1191,7 +1214,7 @@ def apply_rewrite(graph: CapturedGraph, plan: RewritePlan) -> tuple[CapturedGrap
     done: list[Rewrite] = []
     live = {n.name for n in graph.gm.graph.nodes}
     for pattern in plan.rewrites:
-        if isinstance(pattern, (OversizedResult, SavedBeforeWrite, DropoutFromMask)):
+        if isinstance(pattern, (OversizedResult, SavedBeforeWrite, DropoutFromMask, NoiseReplay)):
             continue  # last, on the graph the other rewrites leave
         current = _with_state(graph, state)
         if isinstance(pattern, (ScatterIntoZeros, InterleavedSlices)):
@@ -1212,6 +1235,7 @@ def apply_rewrite(graph: CapturedGraph, plan: RewritePlan) -> tuple[CapturedGrap
         return apply_rewrite(original, RewritePlan(tuple(p for p in plan.rewrites if not isinstance(p, SavedBeforeWrite))))
     done += applied
     done += _remake_dropouts(graph, [p for p in plan.rewrites if isinstance(p, DropoutFromMask)], state)
+    done += _replay_noise(graph, [p for p in plan.rewrites if isinstance(p, NoiseReplay)], state)
     done += _clone_oversized(graph, [p for p in plan.rewrites if isinstance(p, OversizedResult)], state)
     graph.gm.recompile()
     live = {n.name for n in graph.gm.graph.nodes}

@@ -11,6 +11,7 @@ from torch import nn
 import memplan
 from memplan.capture import Phase, capture
 from memplan.graphutil import packet_name
+from memplan.passes._rewrite.noise_replay import NoiseReplay
 from memplan.passes.rewrite import Attention, apply_rewrite, plan_rewrite
 from memplan.testing import assert_equivalent
 
@@ -241,4 +242,5 @@ def test_attention_that_must_not_be_rewritten(name, model, inputs):
     opt = memplan.optimize(model, passes="rewrite")
     assert_equivalent(model, opt, *inputs)  # dropout included: the same draws as eager's
     record = opt.plan.records[0]
-    assert not record.changed and record.peak_after <= record.peak_before
+    # at most dropout's noise, drawn again in the backward (test_rewrite_noise.py)
+    assert all(isinstance(p, NoiseReplay) for p in record.plan.rewrites) and record.peak_after <= record.peak_before
