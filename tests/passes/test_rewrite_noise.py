@@ -157,3 +157,35 @@ def test_the_generators_state_is_taken_right_before_its_draw_whatever_the_schedu
     assert len(find_noise_replay(capture(model, x, seed="tangents"))) == 2
     for passes in ("rewrite", None):
         assert_equivalent(model, memplan.optimize(model, passes=passes), x, exact=passes == "rewrite", seed=4)
+
+
+class FeedForward(nn.Module):
+    """Dropout between two layers of a feed-forward stack: the second layer saves the dropped activation."""
+
+    def __init__(self, width=64, layers=3):
+        super().__init__()
+        self.up = nn.ModuleList(nn.Linear(width, 4 * width) for _ in range(layers))
+        self.down = nn.ModuleList(nn.Linear(4 * width, width) for _ in range(layers))
+
+    def forward(self, x):
+        for up, down in zip(self.up, self.down):
+            x = x + down(F.dropout(torch.relu(up(x)), 0.1))
+        return x
+
+
+def test_remat_recomputes_through_a_draw_whose_state_was_taken():
+    # The dropped activation (relu's output times the noise) is what the second layer saves. With the
+    # state taken, remat may recompute it in the backward, drawing the noise again; without it, the
+    # noise, or the product, stays saved.
+    torch.manual_seed(0)
+    model, x = FeedForward(), torch.randn(128, 64, requires_grad=True)
+    replayed = memplan.optimize(model, passes="rewrite,remat", max_overhead=2.0)
+    kept = memplan.optimize(model, passes="remat", max_overhead=2.0)
+    assert_equivalent(model, replayed, x, seed=1)
+    plan, other = replayed.plan_for(x), kept.plan_for(x)
+    draws = [n for n in plan.graph.gm.graph.nodes if n.target is torch.ops.memplan.replay_bernoulli_.default]
+    rewritten = sum(1 for r in plan.records for note in r.notes if "drawn again in the backward" in note)
+    assert len(draws) > rewritten  # remat's copies draw again too
+    assert plan.planned_peak < other.planned_peak
+    measured = measure(step_fn(replayed, (x,), train=True)).peak
+    assert measured == plan.planned_peak + step_margin(plan.graph)

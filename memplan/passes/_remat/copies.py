@@ -27,7 +27,9 @@ from memplan.graphutil import (
     rebuilt_value,
     same_geometry,
 )
+from memplan.ops import replay_bernoulli_
 from memplan.passes._remat.facts import RematFacts, StorageIndex, last_writes, output_storages
+from memplan.passes._rewrite.noise_replay import REPLAY_STATE, replay_args
 
 __all__ = [
     "StackRead",
@@ -491,9 +493,13 @@ def _copy_node(editor: GraphEditor, node: torch.fx.Node, remap: Callable[[torch.
 
     args = torch.fx.map_arg(node.args, record)
     kwargs = torch.fx.map_arg(node.kwargs, record)
+    target = node.target
+    state = node.meta.get(REPLAY_STATE)
+    if state is not None:  # a draw made again from the generator's state taken before it (facts: replayable)
+        target, args, kwargs = replay_bernoulli_, replay_args(node, args, editor.graph.node(state)), {}
     graph = editor.gm.graph
     with graph.inserting_before(before):
-        new = create_node(graph, node.op, node.target, args, kwargs, node.name, node.type)
+        new = create_node(graph, node.op, target, args, kwargs, node.name, node.type)
     storage_of: dict[StorageWeakRef, Any] = {}
     geometry_kept = True
     for old, replacement in mapping.items():

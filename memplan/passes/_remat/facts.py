@@ -20,6 +20,7 @@ from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.tensors import Tensors, tensor_values
 from memplan.capture import CapturedGraph, Phase
 from memplan.graphutil import is_random, mutated_args, packet_name
+from memplan.passes._rewrite.noise_replay import replayable_draws
 
 __all__ = [
     "DEFAULT_BAN_OPS",
@@ -101,6 +102,7 @@ class RematFacts:
         written = last_writes(graph, tensors)
         kept = output_storages(graph, tensors)
         units = _inplace_units(graph, tensors, position, written)
+        replayable = replayable_draws(nodes, position, graph.node)
         tangents = {s.node for s in graph.inputs if s.kind == "tangent"}
         facts: dict[str, NodeFacts] = {}
         inputs: dict[str, tuple[str, ...]] = {}
@@ -138,7 +140,7 @@ class RematFacts:
             if unit is not None:
                 own = frozenset(tensors.storages_of(unit[0]))  # its own writes are replayed with it
                 why_not = _why_not_recomputable(node, position[node.name], tensors, written, in_unit=True,
-                                                replayed=own)
+                                                replayed=own, replayable=replayable)
             elif node.op == "call_function":
                 why_not = _why_not_recomputable(node, position[node.name], tensors, written)
             else:
@@ -289,11 +291,12 @@ def output_storages(graph: CapturedGraph, tensors: Tensors) -> frozenset[int]:
 
 
 def _why_not_recomputable(node: torch.fx.Node, position: int, tensors: Tensors, last_write: Mapping[int, int],
-                          in_unit: bool = False, replayed: frozenset[int] = frozenset()) -> str | None:
+                          in_unit: bool = False, replayed: frozenset[int] = frozenset(),
+                          replayable: frozenset[str] = frozenset()) -> str | None:
     if not (isinstance(node.target, torch._ops.OpOverload) or node.target is operator.getitem):
         return "not an aten operator"
-    if is_random(node):
-        return "draws from the RNG"
+    if is_random(node) and not (in_unit and node.name in replayable):
+        return "draws from the RNG"  # (a draw whose state the rewrite took is replayed from it, in its unit)
     if mutated_args(node) and not in_unit:
         return "writes in place"
     if "val" not in node.meta:

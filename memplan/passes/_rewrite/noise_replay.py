@@ -48,7 +48,11 @@ from memplan.ops import replay_bernoulli_, rng_state
 from memplan.opschema import mutated_args
 from memplan.passes._chunk.graphs import fake_call, fake_mode_of, refresh_aliases
 
-__all__ = ["NoiseReplay", "find_noise_replay", "apply_noise_replay", "undo_noise_replay"]
+__all__ = ["NoiseReplay", "find_noise_replay", "apply_noise_replay", "undo_noise_replay", "replayable_draws",
+           "replay_args", "REPLAY_STATE"]
+
+#: The meta key of a draw whose generator state the rewrite took right before it: the state node's name.
+REPLAY_STATE = "replay_state"
 
 _DRAW = torch.ops.aten.bernoulli_.float
 _FRESH = (torch.ops.aten.empty_like.default, torch.ops.aten.empty.memory_format)
@@ -163,6 +167,7 @@ def apply_noise_replay(graph: CapturedGraph, patterns: list[NoiseReplay], state:
             return new
 
         taken = insert(chain[0], rng_state, (fresh,), phase=Phase.FORWARD)
+        chain[0].meta[REPLAY_STATE] = taken.name  # remat may replay the draw too (see replayable_draws)
         held = fresh.meta["val"]
         again = insert(first, torch.ops.aten.empty_strided.default, (list(held.shape), list(held.stride())),
                        {"dtype": held.dtype, "device": held.device})
@@ -183,6 +188,35 @@ def undo_noise_replay(graph: CapturedGraph, applied: list[_Applied], state: dict
         for reader, old, new in one.redirected:
             reader.replace_input_with(new, old)
         for node in reversed(one.made):
+            for user in list(node.users):
+                if user.meta.get(REPLAY_STATE) == node.name:
+                    del user.meta[REPLAY_STATE]
             graph.gm.graph.erase_node(node)
             for key in ("phases", "sources", "seq_nr"):
                 state[key].pop(node.name, None)
+
+
+def replayable_draws(nodes: list[torch.fx.Node], position: dict[str, int], by_name) -> frozenset[str]:
+    """The draws that can be made again from a state taken right before them: the ``rng_state`` named by
+    the draw's ``REPLAY_STATE`` still reads the draw's tensor, and no random op runs between the two in
+    ``nodes`` (graph order; ``position`` by name, ``by_name`` a node by name). remat recomputes these
+    with :func:`replay_args`, as an in-place unit's writer."""
+    from memplan.opschema import is_random
+
+    found = set()
+    for node in nodes:
+        name = node.meta.get(REPLAY_STATE) if node.target is _DRAW else None
+        if name is None or name not in position:
+            continue
+        state = by_name(name)
+        if state.target is not rng_state or state.args[0] is not node.args[0]:
+            continue
+        start, end = position[name], position[node.name]
+        if start < end and not any(is_random(n) for n in nodes[start + 1:end]):
+            found.add(node.name)
+    return frozenset(found)
+
+
+def replay_args(draw: torch.fx.Node, args: tuple, state: torch.fx.Node) -> tuple:
+    """The arguments of ``replay_bernoulli_`` that make ``draw`` again (``args``: the draw's, remapped)."""
+    return (args[0], _probability(draw), state)
