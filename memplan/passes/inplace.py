@@ -15,7 +15,10 @@ Stages
 ------
 (1) Candidates: ``call_function`` nodes whose target is an out-of-place overload in
     :data:`INPLACE_OPS` that has an in-place overload with the same arguments (found by schema,
-    :func:`inplace_overload`), that do not draw from the RNG and whose schema mutates nothing.
+    :func:`inplace_overload`), that do not draw from the RNG and whose schema mutates nothing; and the
+    activations' backward formulas of :data:`OUT_WRITE_OPS` (``gelu_backward``, ``threshold_backward``,
+    ...), which have no in-place overload but an ``out=`` one (:func:`out_overload`): they write into any
+    of their inputs passed as their ``out`` (``grad_input=grad_output``), under the same conditions.
 (2) Plan (:func:`plan_inplace`): walk the graph in order, keeping storage groups (a rewritten node
     joins the storage of the input it writes). A node may write into argument ``self`` (or ``other``
     of a commutative op, by swapping the operands) when every soundness condition below holds.
@@ -134,6 +137,18 @@ INPLACE_OPS: frozenset[str] = frozenset(
     }
 )
 
+#: Pointwise ops without an in-place overload whose ``out=`` overload (a keyword argument, ``grad_input`` or
+#: ``out``, that the op writes and returns) may be one of their own inputs: elementwise kernels read each
+#: element before writing it, and allow an output that is exactly an input (the same memory and strides).
+#: The activations' backward formulas, which read the incoming gradient and the saved input or output.
+OUT_WRITE_OPS: frozenset[str] = frozenset(
+    {
+        "gelu_backward", "tanh_backward", "sigmoid_backward", "threshold_backward", "silu_backward",
+        "hardtanh_backward", "elu_backward", "leaky_relu_backward", "softplus_backward",
+        "hardsigmoid_backward", "hardswish_backward", "logit_backward",
+    }
+)
+
 #: Ops whose first two operands commute exactly in floating point (IEEE ``+`` and ``*`` do), so the
 #: op may write into ``other`` by swapping. ``add`` only without an ``alpha``.
 COMMUTATIVE_OPS: frozenset[str] = frozenset({"add", "mul"})
@@ -159,13 +174,15 @@ class InplaceOptions:
 
 @dataclasses.dataclass(frozen=True)
 class InplaceRewrite:
-    """``node`` becomes ``target`` writing into its argument ``input`` (``swap``: operands swapped)."""
+    """``node`` becomes ``target`` writing into its argument ``input`` (``swap``: operands swapped; ``out``:
+    the keyword through which an ``out=`` overload writes, ``input`` passed as it)."""
 
     node: str
     input: str
     target: str
     swap: bool
     nbytes: int
+    out: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,6 +261,35 @@ def inplace_overload(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
             a.alias_info is not None and a.alias_info.is_write for a in arguments[1:]
         ):
             return candidate
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def out_overload(op: torch._ops.OpOverload) -> tuple[torch._ops.OpOverload, str] | None:
+    """The ``out=`` overload of ``op`` (one of :data:`OUT_WRITE_OPS`) taking the same arguments and one
+    keyword-only tensor it writes, and that keyword's name; or None.
+
+    Examples
+    --------
+    >>> out_overload(torch.ops.aten.gelu_backward.default)
+    (<OpOverload(op='aten.gelu_backward', overload='grad_input')>, 'grad_input')
+    >>> out_overload(torch.ops.aten.mm.default) is None
+    True
+    """
+    if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
+        return None
+    packet = op.overloadpacket
+    if packet.__name__ not in OUT_WRITE_OPS or _mutates(op._schema):
+        return None
+    wanted = _signature(op._schema)
+    for overload_name in packet.overloads():
+        candidate = getattr(packet, overload_name)
+        arguments = candidate._schema.arguments
+        written = [a for a in arguments if a.alias_info is not None and a.alias_info.is_write]
+        if len(written) != 1 or not written[0].kwarg_only or written[0] is not arguments[-1]:
+            continue
+        if _signature(candidate._schema)[:-1] == wanted:
+            return candidate, written[0].name
     return None
 
 
@@ -361,15 +407,19 @@ def plan_inplace(graph: CapturedGraph, am: AnalysisManager, options: InplaceOpti
     for node in graph.gm.graph.nodes:
         if node.op != "call_function" or is_random(node):
             continue
-        target = inplace_overload(node.target)
+        target, keyword = inplace_overload(node.target), None
         if target is None:
-            continue
+            found = out_overload(node.target)
+            if found is None:
+                continue
+            target, keyword = found
         out = node.meta.get("val")
         if not isinstance(out, torch.Tensor):
             continue
         p = position[node.name]
         # Step 2: the first argument position that satisfies every condition.
-        for index in _writable_positions(node):
+        positions = _writable_positions(node) if keyword is None else range(len(node.args))
+        for index in positions:
             arg = node.args[index]
             if not isinstance(arg, torch.fx.Node) or not isinstance(arg.meta.get("val"), torch.Tensor):
                 continue
@@ -393,9 +443,8 @@ def plan_inplace(graph: CapturedGraph, am: AnalysisManager, options: InplaceOpti
                 continue
             if not groups.dead_after(root, p):  # (a)
                 continue
-            rewrites.append(
-                InplaceRewrite(node.name, arg.name, str(target), swap=index == 1, nbytes=storage.nbytes)
-            )
+            rewrites.append(InplaceRewrite(node.name, arg.name, str(target), swap=keyword is None and index == 1,
+                                           nbytes=storage.nbytes, out=keyword))
             for sid in tensors.storages_of(node.name):
                 groups.merge(root, sid)
             break
@@ -442,11 +491,18 @@ def apply_inplace(graph: CapturedGraph, plan: InplacePlan) -> CapturedGraph:
             continue
         rewrite = by_node.get(node.name)
         if rewrite is not None:
-            target = inplace_overload(node.target)
-            if rewrite.swap:
-                node.args = (node.args[1], node.args[0], *node.args[2:])
-            node.target = target
-            value = _written_value(node)
+            if rewrite.out is not None:  # the out= overload, writing into the input as its out
+                written = next(a for a in node.args if isinstance(a, torch.fx.Node) and a.name == rewrite.input)
+                node.target = out_overload(node.target)[0]
+                node.kwargs = {**node.kwargs, rewrite.out: written}
+                value = written.meta["val"] if isinstance(written.meta.get("val"), FakeTensor) else \
+                    fake_value(node.target, node.args, node.kwargs)
+            else:
+                target = inplace_overload(node.target)
+                if rewrite.swap:
+                    node.args = (node.args[1], node.args[0], *node.args[2:])
+                node.target = target
+                value = _written_value(node)
             for _, old in tensor_values(node):
                 storage_of[StorageWeakRef(old.untyped_storage())] = value.untyped_storage()
             before[node] = node.meta["val"]
