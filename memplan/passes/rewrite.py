@@ -1066,18 +1066,16 @@ def _remake_dropouts(graph: CapturedGraph, patterns: Sequence[DropoutFromMask], 
     :mod:`~memplan.passes._rewrite.dropout_mask`); kept only if the graph's simulated peak does not rise."""
     live = {n.name: n for n in graph.gm.graph.nodes}
     patterns = [p for p in patterns if {p.dropout, p.out, p.mask, p.input} <= set(live)]
-    if not patterns:
-        return []
-    before = AnalysisManager(_with_state(graph, state)).get(PeakSimulation).peak
-    made = apply_dropout_from_mask(_with_state(graph, state), list(patterns), state)
-    if AnalysisManager(_with_state(graph, state)).get(PeakSimulation).peak <= before:
-        return list(patterns)
-    for pattern, again in zip(patterns, made):
-        again.replace_all_uses_with(live[pattern.out])
-        graph.gm.graph.erase_node(again)
-        for key in ("phases", "sources", "seq_nr"):
-            state[key].pop(again.name, None)
-    return []
+
+    def undo(made: list[torch.fx.Node]) -> None:
+        for pattern, again in zip(patterns, made):
+            again.replace_all_uses_with(live[pattern.out])
+            graph.gm.graph.erase_node(again)
+            for key in ("phases", "sources", "seq_nr"):
+                state[key].pop(again.name, None)
+
+    return _kept_unless_peak_rises(graph, state, patterns,
+                                   lambda: apply_dropout_from_mask(_with_state(graph, state), list(patterns), state), undo)
 
 
 def _replay_noise(graph: CapturedGraph, patterns: Sequence[NoiseReplay], state: dict) -> list[NoiseReplay]:
@@ -1085,14 +1083,9 @@ def _replay_noise(graph: CapturedGraph, patterns: Sequence[NoiseReplay], state: 
     :mod:`~memplan.passes._rewrite.noise_replay`); kept only if the graph's simulated peak does not rise."""
     live = {n.name for n in graph.gm.graph.nodes}
     patterns = [p for p in patterns if p.claimed() <= live]
-    if not patterns:
-        return []
-    before = AnalysisManager(_with_state(graph, state)).get(PeakSimulation).peak
-    applied = apply_noise_replay(_with_state(graph, state), list(patterns), state)
-    if AnalysisManager(_with_state(graph, state)).get(PeakSimulation).peak <= before:
-        return list(patterns)
-    undo_noise_replay(graph, applied, state)
-    return []
+    return _kept_unless_peak_rises(graph, state, patterns,
+                                   lambda: apply_noise_replay(_with_state(graph, state), list(patterns), state),
+                                   lambda applied: undo_noise_replay(graph, applied, state))
 
 
 def _clone_oversized(graph: CapturedGraph, patterns: Sequence[OversizedResult], state: dict) -> list[OversizedResult]:
@@ -1100,18 +1093,31 @@ def _clone_oversized(graph: CapturedGraph, patterns: Sequence[OversizedResult], 
     only if they do not raise the graph's simulated peak (a clone made at the peak adds its bytes there)."""
     live = {n.name: n for n in graph.gm.graph.nodes}
     patterns = [p for p in patterns if p.node in live]  # not erased by a region rewrite before
+    outputs = state["outputs"]
+
+    def undo(copies: list[torch.fx.Node]) -> None:
+        for pattern, copy in zip(patterns, copies):
+            copy.replace_all_uses_with(live[pattern.node])
+            graph.gm.graph.erase_node(copy)
+            for key in ("phases", "sources"):
+                state[key].pop(copy.name, None)
+        state["outputs"] = outputs
+
+    return _kept_unless_peak_rises(graph, state, patterns,
+                                   lambda: [_clone_out(graph, live[p.node], state) for p in patterns], undo)
+
+
+def _kept_unless_peak_rises(graph: CapturedGraph, state: dict, patterns: list, apply: Callable[[], Any],
+                            undo: Callable[[Any], None]) -> list:
+    """``patterns`` after ``apply()`` edits the graph, or none after ``undo`` of what it returned when the
+    graph's simulated peak rose."""
     if not patterns:
         return []
-    before, outputs = AnalysisManager(_with_state(graph, state)).get(PeakSimulation).peak, state["outputs"]
-    copies = [_clone_out(graph, live[p.node], state) for p in patterns]
+    before = AnalysisManager(_with_state(graph, state)).get(PeakSimulation).peak
+    made = apply()
     if AnalysisManager(_with_state(graph, state)).get(PeakSimulation).peak <= before:
         return list(patterns)
-    for pattern, copy in zip(patterns, copies):
-        copy.replace_all_uses_with(live[pattern.node])
-        graph.gm.graph.erase_node(copy)
-        for key in ("phases", "sources"):
-            state[key].pop(copy.name, None)
-    state["outputs"] = outputs
+    undo(made)
     return []
 
 

@@ -108,30 +108,23 @@ def test_training_steps_under_the_default_pipeline_keep_eagers_values_and_random
     assert any("drawn again in the backward" in n for r in opt.plan.records for n in r.notes)
 
 
-class WrittenAfter(nn.Module):
-    def __init__(self):
+class Unreplayable(nn.Module):
+    """A draw the replay would not make again: a write into the noise after it, or a view the backward reads."""
+
+    def __init__(self, kind):
         super().__init__()
-        self.a = nn.Linear(16, 16)
+        self.a, self.kind = nn.Linear(16, 16), kind
 
     def forward(self, x):
         h = torch.tanh(self.a(x))
         noise = torch.empty_like(h).bernoulli_(0.5)
-        noise[0] = 1.0  # a write the replay would not make
-        return h * noise
-
-
-class ReadAsView(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(16, 16)
-
-    def forward(self, x):
-        h = torch.tanh(self.a(x))
-        noise = torch.empty_like(h).bernoulli_(0.5)
+        if self.kind == "written":
+            noise[0] = 1.0
+            return h * noise
         return h.t() * noise.t()
 
 
-@pytest.mark.parametrize("model", [WrittenAfter(), ReadAsView()], ids=["written", "view"])
+@pytest.mark.parametrize("model", [Unreplayable("written"), Unreplayable("view")], ids=["written", "view"])
 def test_draws_the_replay_could_not_make_again_are_left_alone(model):
     x = torch.randn(8, 16)
     assert find_noise_replay(capture(model, x, seed="tangents")) == []
