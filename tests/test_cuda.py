@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import memplan
 import memplan.examples as examples
@@ -140,3 +141,39 @@ def test_dropouts_output_made_again_from_its_mask_is_the_forwards_bits():
     optimized = memplan.optimize(model, passes="rewrite")
     assert_equivalent(model, optimized, x, exact=True)
     assert "native_dropout_backward" in optimized.code
+
+
+def test_a_staged_backward_hands_gradients_to_their_hooks_as_they_are_made_on_a_gpu():
+    # An optimizer step in the backward (post-accumulate-grad hooks): the plan's backward runs in stages on
+    # the GPU's autograd thread; each hook fires before the backward ends and frees its gradient.
+    model, inputs = deep_mlp(512, 6, 256)
+    twin, _ = deep_mlp(512, 6, 256)
+    opt = memplan.optimize(model)
+    fired: list[int] = []
+    progress = [0]
+
+    def hook(p):
+        fired.append(progress[0])
+        p.grad = None
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+    step_fn(opt, inputs, train=True)()  # plans
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            progress[0] += 1
+            return func(*args, **(kwargs or {}))
+
+    fired.clear()
+    loss = opt(*inputs).square().mean()
+    progress[0] = 0
+    with Count():
+        loss.backward()
+    torch.cuda.synchronize()
+    assert len(fired) == len(list(model.parameters())) and min(fired) < progress[0]
+    assert all(p.grad is None for p in model.parameters())
+    grads = torch.autograd.grad(twin(*inputs).square().mean(), list(twin.parameters()))
+    found = torch.autograd.grad(opt(*inputs).square().mean(), list(model.parameters()))
+    for got, expected in zip(found, grads):
+        torch.testing.assert_close(got, expected)
