@@ -105,7 +105,7 @@ import warnings
 import torch
 
 __all__ = ["grouped_addmm_", "grouped_addmm_blocks", "offload", "offload_wait_", "prefetch", "prefetch_wait_",
-           "HOST_OPS", "TIER_OPS", "rng_state", "replay_bernoulli_"]
+           "HOST_OPS", "TIER_OPS", "rng_state", "replay_bernoulli_", "rng_state_bytes"]
 
 _LIBRARY = torch.library.Library("memplan", "DEF")
 _LIBRARY.define(
@@ -345,7 +345,7 @@ def _replay_bernoulli_(out: torch.Tensor, p: float, state: torch.Tensor) -> torc
     return out
 
 
-def _state_bytes(device: torch.device) -> int:
+def rng_state_bytes(device: torch.device) -> int:
     """Bytes of the state of ``device``'s default generator (a fake tensor's device may have no generator
     on this machine: CUDA's state is a seed and an offset)."""
     try:
@@ -355,7 +355,7 @@ def _state_bytes(device: torch.device) -> int:
 
 
 def _rng_state_fake(like: torch.Tensor) -> torch.Tensor:
-    return torch.empty(_state_bytes(like.device), dtype=torch.uint8, device="cpu")
+    return torch.empty(rng_state_bytes(like.device), dtype=torch.uint8, device="cpu")
 
 
 _LIBRARY.impl("rng_state", _rng_state, "CompositeExplicitAutograd")

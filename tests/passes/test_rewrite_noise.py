@@ -53,6 +53,27 @@ class Functional(nn.Module):
         return F.dropout(h, 0.3, training=True).transpose(0, 1).cumsum(0)
 
 
+class FeatureNoise(nn.Module):
+    """Noise over whole channels and whole examples, smaller than the generator's state and kept as it is
+    (``F.dropout2d``, stochastic depth as timm writes it: ``new_empty((N, 1, 1, 1)).bernoulli_(keep).div_(keep)``),
+    beside ``F.alpha_dropout``'s full-size noise, drawn again."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.c = nn.ModuleList(nn.Conv2d(8, 8, 3, padding=1) for _ in range(3))
+
+    def forward(self, x):
+        h = F.dropout2d(torch.relu(self.a(x)), 0.2)
+        branch = self.b(h)
+        keep = 0.8
+        h = h + branch * branch.new_empty((branch.shape[0], 1, 1, 1)).bernoulli_(keep).div_(keep)
+        h = F.alpha_dropout(torch.tanh(h), 0.1, training=True)
+        for c in self.c:  # the forward goes on while the noise is held
+            h = torch.sin(c(h))
+        return h.flatten(1)
+
+
 def _encoder():
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True)
@@ -64,6 +85,7 @@ MODELS = [
     ("hand_mask", lambda: HandMask(), (48, 64)),
     ("functional", lambda: Functional(), (40, 64)),
     ("encoder", _encoder, (4, 24, 32)),
+    ("feature_noise", lambda: FeatureNoise(), (6, 3, 12, 12)),
 ]
 
 

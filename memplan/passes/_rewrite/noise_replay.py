@@ -24,13 +24,16 @@ random ops keep their relative order (schedule), are never recomputed (remat) an
 
 Soundness conditions (each with the counterexample the finder refuses)
 --------------------------------------------------------------------
-* The draw is ``bernoulli_.float`` on a fresh ``empty_like``/``empty`` tensor, from the default generator
+* The draw is ``bernoulli_.float`` on a fresh ``empty_like``/``empty``/``new_empty`` tensor (``F.dropout2d``'s
+  and stochastic depth's noise of shape ``(N, C, 1, 1)`` or ``(N, 1, 1, 1)``), from the default generator
   (no ``generator=``: a generator the user passes is not the one ``rng_state`` reads), on a CPU tensor.
 * Every write into the noise's storage is the draw or an in-place scaling by a number after it
   (``div_.Scalar``, ``mul_.Scalar``), all in the forward, one after the other on the value before;
   every alias of the storage is one of those results. Counterexample: ``noise[0] = 1`` after the draw (a
   write the chain does not replay), or a view of the noise the backward reads.
 * The backward reads the noise (otherwise nothing is held), and never writes into it; no output is an alias.
+* The noise is larger than the state (5 KiB on a CPU): a mask per channel or per example (``F.dropout2d``,
+  stochastic depth) is kept as it is, and remat can recompute the product from it.
 * Kept only if the simulated peak does not rise.
 """
 
@@ -44,7 +47,7 @@ import torch.fx
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph, Phase
-from memplan.ops import replay_bernoulli_, rng_state
+from memplan.ops import replay_bernoulli_, rng_state, rng_state_bytes
 from memplan.opschema import mutated_args
 from memplan.passes._chunk.graphs import fake_call, fake_mode_of, refresh_aliases
 
@@ -55,7 +58,7 @@ __all__ = ["NoiseReplay", "find_noise_replay", "apply_noise_replay", "undo_noise
 REPLAY_STATE = "replay_state"
 
 _DRAW = torch.ops.aten.bernoulli_.float
-_FRESH = (torch.ops.aten.empty_like.default, torch.ops.aten.empty.memory_format)
+_FRESH = (torch.ops.aten.empty_like.default, torch.ops.aten.empty.memory_format, torch.ops.aten.new_empty.default)
 _SCALINGS = (torch.ops.aten.div_.Scalar, torch.ops.aten.mul_.Scalar)
 
 
@@ -93,6 +96,8 @@ def find_noise_replay(graph: CapturedGraph) -> list[NoiseReplay]:
         value = fresh.meta.get("val")
         if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
             continue
+        if value.numel() * value.element_size() <= rng_state_bytes(value.device):
+            continue  # a mask per channel or per example: smaller than the state that would replace it
         if tensors is None:
             tensors = AnalysisManager(graph).get(Tensors)
             position = {n: i for i, n in enumerate(graph.gm.graph.nodes)}
