@@ -56,6 +56,12 @@ eager's (up to summation order):
     again from it, as ``torch.utils.checkpoint`` recomputes a draw: the same bits, no later draw moved
     (:mod:`~memplan.passes._rewrite.noise_replay`). Kept only if the simulated peak does not rise.
 
+(j) **Batch norm's output made again.** A training ``native_batch_norm`` updates the running statistics in
+    place, so nothing runs it twice as it is; where the backward reads its output or the ReLU of it (conv,
+    batch norm, ReLU, conv), the backward now makes that value again by the same kernel on the input its own
+    backward keeps, without running statistics to update: the same bits
+    (:mod:`~memplan.passes._rewrite.norm_output`). Kept only if the simulated peak does not rise.
+
 (g) **Attention written out.** ``softmax(q @ k^T * scale [+ bias] [masked -inf]) @ v`` over heads as
     batch dimensions (``matmul``, ``bmm``, einsum) becomes one ``F.scaled_dot_product_attention``,
     whose fused kernel keeps a log-sum-exp per query instead of the scores and the probabilities
@@ -146,6 +152,7 @@ from memplan.passes._chunk.rules import Split
 from memplan.passes._rewrite.attention import Attention, find_attention
 from memplan.passes._rewrite.dropout_mask import DropoutFromMask, apply_dropout_from_mask, find_dropout_from_mask
 from memplan.passes._rewrite.noise_replay import NoiseReplay, apply_noise_replay, find_noise_replay, undo_noise_replay
+from memplan.passes._rewrite.norm_output import NormOutput, apply_norm_outputs, find_norm_outputs, undo_norm_outputs
 from memplan.passes._rewrite.linear_ce import LinearCrossEntropy, admit, find_linear_cross_entropy
 from memplan.passes._rewrite.region import (
     Replacement,
@@ -292,7 +299,8 @@ class OversizedResult:
 
 
 Rewrite = Union[Attention, BroadcastMatmul, MatmulMax, ScatterIntoZeros, InterleavedSlices, OversizedResult,
-                "BroadcastProduct", SavedBeforeWrite, LinearCrossEntropy, DropoutFromMask, NoiseReplay]
+                "BroadcastProduct", SavedBeforeWrite, LinearCrossEntropy, DropoutFromMask, NoiseReplay,
+                NormOutput]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1088,6 +1096,16 @@ def _replay_noise(graph: CapturedGraph, patterns: Sequence[NoiseReplay], state: 
                                    lambda applied: undo_noise_replay(graph, applied, state))
 
 
+def _remake_norm_outputs(graph: CapturedGraph, patterns: Sequence[NormOutput], state: dict) -> list[NormOutput]:
+    """Make each batch norm's output (or its ReLU) again in the backward from its statistics (see
+    :mod:`~memplan.passes._rewrite.norm_output`); kept only if the graph's simulated peak does not rise."""
+    live = {n.name for n in graph.gm.graph.nodes}
+    patterns = [p for p in patterns if p.claimed() <= live]
+    return _kept_unless_peak_rises(graph, state, patterns,
+                                   lambda: apply_norm_outputs(_with_state(graph, state), list(patterns), state),
+                                   lambda applied: undo_norm_outputs(graph, applied, state))
+
+
 def _clone_oversized(graph: CapturedGraph, patterns: Sequence[OversizedResult], state: dict) -> list[OversizedResult]:
     """Clone each oversized result out of its storage (see :class:`OversizedResult`); the clones are kept
     only if they do not raise the graph's simulated peak (a clone made at the peak adds its bytes there)."""
@@ -1182,6 +1200,7 @@ _FINDERS: tuple[Callable[[CapturedGraph], Sequence[Rewrite]], ...] = (
     find_saved_before_write,
     find_dropout_from_mask,
     find_noise_replay,
+    find_norm_outputs,
     _find_oversized_results,
 )
 
@@ -1220,7 +1239,7 @@ def apply_rewrite(graph: CapturedGraph, plan: RewritePlan) -> tuple[CapturedGrap
     done: list[Rewrite] = []
     live = {n.name for n in graph.gm.graph.nodes}
     for pattern in plan.rewrites:
-        if isinstance(pattern, (OversizedResult, SavedBeforeWrite, DropoutFromMask, NoiseReplay)):
+        if isinstance(pattern, (OversizedResult, SavedBeforeWrite, DropoutFromMask, NoiseReplay, NormOutput)):
             continue  # last, on the graph the other rewrites leave
         current = _with_state(graph, state)
         if isinstance(pattern, (ScatterIntoZeros, InterleavedSlices)):
@@ -1242,6 +1261,7 @@ def apply_rewrite(graph: CapturedGraph, plan: RewritePlan) -> tuple[CapturedGrap
     done += applied
     done += _remake_dropouts(graph, [p for p in plan.rewrites if isinstance(p, DropoutFromMask)], state)
     done += _replay_noise(graph, [p for p in plan.rewrites if isinstance(p, NoiseReplay)], state)
+    done += _remake_norm_outputs(graph, [p for p in plan.rewrites if isinstance(p, NormOutput)], state)
     done += _clone_oversized(graph, [p for p in plan.rewrites if isinstance(p, OversizedResult)], state)
     graph.gm.recompile()
     live = {n.name for n in graph.gm.graph.nodes}
