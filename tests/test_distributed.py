@@ -212,6 +212,23 @@ def _fsdp_batches() -> list[torch.Tensor]:
     return [torch.randn(WORLD * 4, 16, generator=generator) for _ in range(2)]
 
 
+def _fsdp_worker(rank: int, port: int, state: dict, out: dict) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    with _group(rank, port):
+        model = Blocks()
+        model.load_state_dict(state)
+        # the order users follow: plan each block's activations, then shard each block and the root
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = memplan.optimize(block)
+            fully_shard(model.blocks[i])
+        fully_shard(model)
+        for batch in _fsdp_batches():
+            model(batch[rank::WORLD]).sum().backward()
+        out[rank] = {name.replace(".model.", "."): p.grad.full_tensor().clone() for name, p in model.named_parameters()}
+        out[f"plans{rank}"] = [len(block._plans) for block in model.blocks]
+
+
 class GatedBlock(nn.Module):
     """A block whose activations outweigh its weights at a few hundred rows: remat recomputes its gates."""
 
@@ -267,115 +284,32 @@ class _Counted:
             setattr(dist, name, original)
 
 
-def _fsdp_worker(rank: int, port: int, blocks: dict, gated: dict, out: dict) -> None:
-    """Every FSDP2 case in one group: each spawn costs seconds."""
+def _collectives_worker(rank: int, port: int, state: dict, out: dict) -> None:
+    from torch.distributed.fsdp import fully_shard
+
     with _group(rank, port):
-        _fsdp_gradients(rank, blocks, out)
-        _fsdp_collectives(rank, gated, out)
-        _fsdp_peaks(rank, gated, out)
-        _fsdp_mismatch(rank, out)  # last: it raises (and catches) on every rank
+        for planned in (False, True):
+            model = GatedBlocks()
+            model.load_state_dict(state)
+            for i, block in enumerate(model.blocks):
+                if planned:  # recompute what it can: the backward runs the blocks' forward ops again
+                    model.blocks[i] = memplan.optimize(block, passes="remat", max_overhead=10.0)
+                fully_shard(model.blocks[i])
+            fully_shard(model)
+            batches = _wide_batches()
+            model(batches[0][rank::WORLD]).sum().backward()  # the first step plans
+            with _Counted() as counted:
+                model(batches[1][rank::WORLD]).sum().backward()
+            out[f"{planned}{rank}"] = counted.calls
+            if planned:
+                out[f"recomputed{rank}"] = [b.plan.records[0].changed for b in model.blocks]
+                memplan.distributed.check_plans(model)  # the ranks agree: silent
+                out[f"digests{rank}"] = memplan.distributed.plan_digests(model)
 
 
-def _fsdp_gradients(rank: int, state: dict, out: dict) -> None:
-    from torch.distributed.fsdp import fully_shard
-
-    model = Blocks()
-    model.load_state_dict(state)
-    # the order users follow: plan each block's activations, then shard each block and the root
-    for i, block in enumerate(model.blocks):
-        model.blocks[i] = memplan.optimize(block)
-        fully_shard(model.blocks[i])
-    fully_shard(model)
-    for batch in _fsdp_batches():
-        model(batch[rank::WORLD]).sum().backward()
-    out[f"grads{rank}"] = {name.replace(".model.", "."): p.grad.full_tensor().clone() for name, p in model.named_parameters()}
-    out[f"plans{rank}"] = [len(block._plans) for block in model.blocks]
-
-
-def _fsdp_collectives(rank: int, state: dict, out: dict) -> None:
-    from torch.distributed.fsdp import fully_shard
-
-    for planned in (False, True):
-        model = GatedBlocks()
-        model.load_state_dict(state)
-        for i, block in enumerate(model.blocks):
-            if planned:  # recompute what it can: the backward runs the blocks' forward ops again
-                model.blocks[i] = memplan.optimize(block, passes="remat", max_overhead=10.0)
-            fully_shard(model.blocks[i])
-        fully_shard(model)
-        batches = _wide_batches()
-        model(batches[0][rank::WORLD]).sum().backward()  # the first step plans
-        with _Counted() as counted:
-            model(batches[1][rank::WORLD]).sum().backward()
-        out[f"{planned}{rank}"] = counted.calls
-        if planned:
-            out[f"recomputed{rank}"] = [b.plan.records[0].changed for b in model.blocks]
-            memplan.distributed.check_plans(model)  # the ranks agree: silent
-            out[f"digests{rank}"] = memplan.distributed.plan_digests(model)
-
-
-def _fsdp_peaks(rank: int, state: dict, out: dict) -> None:
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.distributed.fsdp import fully_shard
-
-    wrap = {"fsdp": lambda b: b, "checkpoint": checkpoint_wrapper, "memplan": memplan.optimize,
-            "memplan_budget": lambda b: memplan.optimize(b, budget=0.5)}
-    for variant, wrapper in wrap.items():
-        model = GatedBlocks()
-        model.load_state_dict(state)
-        for i, block in enumerate(model.blocks):
-            model.blocks[i] = wrapper(block)
-            fully_shard(model.blocks[i])
-        fully_shard(model)
-        batch = _wide_batches()[0][rank::WORLD]
-
-        def step():
-            for p in model.parameters():
-                p.grad = None
-            model(batch).sum().backward()
-
-        step()  # plans
-        out[f"{variant}{rank}"] = memplan.measure(step).peak
-
-
-def _fsdp_mismatch(rank: int, out: dict) -> None:
+def test_recomputing_plans_under_fully_shard_add_no_collective():
     torch.manual_seed(0)
-    model = GatedBlocks()
-    for i, block in enumerate(model.blocks):  # rank 1 plans the middle block with other passes
-        model.blocks[i] = memplan.optimize(block, passes="" if rank and i == 1 else "remat")
-    model(_wide_batches()[0][rank::WORLD]).sum().backward()
-    try:
-        memplan.distributed.check_plans(model)
-    except memplan.distributed.PlanMismatchError as exc:
-        out[f"mismatch{rank}"] = str(exc)
-
-
-@pytest.fixture(scope="module")
-def fsdp_found():
-    torch.manual_seed(0)
-    blocks = copy.deepcopy(Blocks().state_dict())
-    torch.manual_seed(0)
-    gated = copy.deepcopy(GatedBlocks().state_dict())
-    return blocks, _spawn(_fsdp_worker, blocks, gated)
-
-
-def test_fully_shard_over_planned_blocks_gives_one_processs_gradients(fsdp_found):
-    state, found = fsdp_found
-    reference = Blocks()
-    reference.load_state_dict(state)
-    for batch in _fsdp_batches():
-        (reference(batch).sum() / WORLD).backward()
-    expected = {name: p.grad for name, p in reference.named_parameters()}
-    for rank in range(WORLD):
-        assert found[f"plans{rank}"] == [1, 1, 1]  # each block planned once, its plan kept across steps
-        assert set(found[f"grads{rank}"]) == set(expected)
-        for name, grad in expected.items():
-            torch.testing.assert_close(found[f"grads{rank}"][name], grad,
-                                       msg=lambda m, name=name: f"rank {rank} {name}: {m}")
-
-
-def test_recomputing_plans_under_fully_shard_add_no_collective(fsdp_found):
-    _, found = fsdp_found
+    found = _spawn(_collectives_worker, copy.deepcopy(GatedBlocks().state_dict()))
     for rank in range(WORLD):
         assert found[f"recomputed{rank}"] == [True, True, True]
         assert found[f"False{rank}"]["all_gather"] > 0 and found[f"False{rank}"]["reduce_scatter"] > 0
@@ -384,17 +318,70 @@ def test_recomputing_plans_under_fully_shard_add_no_collective(fsdp_found):
     assert found["digests0"] == found["digests1"]
 
 
-def test_the_peak_per_rank_is_at_most_per_block_checkpointings_and_below_it_under_a_budget(fsdp_found):
-    _, found = fsdp_found
+def _mismatch_worker(rank: int, port: int, out: dict) -> None:
+    with _group(rank, port):
+        torch.manual_seed(0)
+        model = GatedBlocks()
+        for i, block in enumerate(model.blocks):  # rank 1 plans the middle block with other passes
+            model.blocks[i] = memplan.optimize(block, passes="" if rank and i == 1 else "remat")
+        model(_wide_batches()[0][rank::WORLD]).sum().backward()
+        try:
+            memplan.distributed.check_plans(model)
+        except memplan.distributed.PlanMismatchError as exc:
+            out[rank] = str(exc)
+
+
+def test_check_plans_fails_on_every_rank_when_the_ranks_plan_differently():
+    found = _spawn(_mismatch_worker)
+    assert found[0] == found[1]
+    assert found[0].startswith("memplan's plans differ between ranks: blocks.1: rank 0 and rank 1 made different plans")
+    assert "Fix: give every rank the same memplan.optimize arguments" in found[0]
+
+
+def test_fully_shard_over_planned_blocks_gives_one_processs_gradients():
+    torch.manual_seed(0)
+    reference = Blocks()
+    state = copy.deepcopy(reference.state_dict())
+    found = _spawn(_fsdp_worker, state)
+    for batch in _fsdp_batches():
+        (reference(batch).sum() / WORLD).backward()
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+    for rank in range(WORLD):
+        assert found[f"plans{rank}"] == [1, 1, 1]  # each block planned once, its plan kept across steps
+        assert set(found[rank]) == set(expected)
+        for name, grad in expected.items():
+            torch.testing.assert_close(found[rank][name], grad, msg=lambda m, name=name: f"rank {rank} {name}: {m}")
+
+
+def _peaks_worker(rank: int, port: int, state: dict, out: dict) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import fully_shard
+
+    wrap = {"fsdp": lambda b: b, "checkpoint": checkpoint_wrapper, "memplan": memplan.optimize,
+            "memplan_budget": lambda b: memplan.optimize(b, budget=0.5)}
+    with _group(rank, port):
+        for variant, wrapper in wrap.items():
+            model = GatedBlocks()
+            model.load_state_dict(state)
+            for i, block in enumerate(model.blocks):
+                model.blocks[i] = wrapper(block)
+                fully_shard(model.blocks[i])
+            fully_shard(model)
+            batch = _wide_batches()[0][rank::WORLD]
+
+            def step():
+                for p in model.parameters():
+                    p.grad = None
+                model(batch).sum().backward()
+
+            step()  # plans
+            out[f"{variant}{rank}"] = memplan.measure(step).peak
+
+
+def test_the_peak_per_rank_is_at_most_per_block_checkpointings_and_below_it_under_a_budget():
+    torch.manual_seed(0)
+    found = _spawn(_peaks_worker, copy.deepcopy(GatedBlocks().state_dict()))
     for rank in range(WORLD):
         assert found[f"checkpoint{rank}"] < found[f"fsdp{rank}"]
         assert found[f"memplan{rank}"] <= found[f"checkpoint{rank}"]
         assert found[f"memplan_budget{rank}"] < found[f"checkpoint{rank}"]
-
-
-def test_check_plans_fails_on_every_rank_when_the_ranks_plan_differently(fsdp_found):
-    _, found = fsdp_found
-    assert found["mismatch0"] == found["mismatch1"]
-    assert found["mismatch0"].startswith(
-        "memplan's plans differ between ranks: blocks.1: rank 0 and rank 1 made different plans")
-    assert "Fix: give every rank the same memplan.optimize arguments" in found["mismatch0"]

@@ -151,8 +151,9 @@ from memplan.passes._chunk.graphs import copy_graph, fake_call, fake_mode_of
 from memplan.passes._chunk.rules import Split
 from memplan.passes._rewrite.attention import Attention, find_attention
 from memplan.passes._rewrite.dropout_mask import DropoutFromMask, apply_dropout_from_mask, find_dropout_from_mask
-from memplan.passes._rewrite.noise_replay import NoiseReplay, apply_noise_replay, find_noise_replay, undo_noise_replay
-from memplan.passes._rewrite.norm_output import NormOutput, apply_norm_outputs, find_norm_outputs, undo_norm_outputs
+from memplan.passes._rewrite.noise_replay import NoiseReplay, apply_noise_replay, find_noise_replay
+from memplan.passes._rewrite.norm_output import NormOutput, apply_norm_outputs, find_norm_outputs
+from memplan.passes._rewrite.remade import undo as undo_remade
 from memplan.passes._rewrite.linear_ce import LinearCrossEntropy, admit, find_linear_cross_entropy
 from memplan.passes._rewrite.region import (
     Replacement,
@@ -1086,24 +1087,15 @@ def _remake_dropouts(graph: CapturedGraph, patterns: Sequence[DropoutFromMask], 
                                    lambda: apply_dropout_from_mask(_with_state(graph, state), list(patterns), state), undo)
 
 
-def _replay_noise(graph: CapturedGraph, patterns: Sequence[NoiseReplay], state: dict) -> list[NoiseReplay]:
-    """Draw each noise again in the backward from the generator's state (see
-    :mod:`~memplan.passes._rewrite.noise_replay`); kept only if the graph's simulated peak does not rise."""
-    live = {n.name for n in graph.gm.graph.nodes}
-    patterns = [p for p in patterns if p.claimed() <= live]
-    return _kept_unless_peak_rises(graph, state, patterns,
-                                   lambda: apply_noise_replay(_with_state(graph, state), list(patterns), state),
-                                   lambda applied: undo_noise_replay(graph, applied, state))
-
-
-def _remake_norm_outputs(graph: CapturedGraph, patterns: Sequence[NormOutput], state: dict) -> list[NormOutput]:
-    """Make each batch norm's output (or its ReLU) again in the backward from its statistics (see
+def _remade_in_backward(graph: CapturedGraph, state: dict, patterns: Sequence[NoiseReplay | NormOutput],
+                        apply: Callable[..., list], undo: Callable[[list], None]) -> list:
+    """Remake each pattern's value in the backward (rewrites (i), dropout's noise drawn again:
+    :mod:`~memplan.passes._rewrite.noise_replay`, and (j), batch norm's output:
     :mod:`~memplan.passes._rewrite.norm_output`); kept only if the graph's simulated peak does not rise."""
     live = {n.name for n in graph.gm.graph.nodes}
     patterns = [p for p in patterns if p.claimed() <= live]
     return _kept_unless_peak_rises(graph, state, patterns,
-                                   lambda: apply_norm_outputs(_with_state(graph, state), list(patterns), state),
-                                   lambda applied: undo_norm_outputs(graph, applied, state))
+                                   lambda: apply(_with_state(graph, state), list(patterns), state), undo)
 
 
 def _clone_oversized(graph: CapturedGraph, patterns: Sequence[OversizedResult], state: dict) -> list[OversizedResult]:
@@ -1260,8 +1252,10 @@ def apply_rewrite(graph: CapturedGraph, plan: RewritePlan) -> tuple[CapturedGrap
         return apply_rewrite(original, RewritePlan(tuple(p for p in plan.rewrites if not isinstance(p, SavedBeforeWrite))))
     done += applied
     done += _remake_dropouts(graph, [p for p in plan.rewrites if isinstance(p, DropoutFromMask)], state)
-    done += _replay_noise(graph, [p for p in plan.rewrites if isinstance(p, NoiseReplay)], state)
-    done += _remake_norm_outputs(graph, [p for p in plan.rewrites if isinstance(p, NormOutput)], state)
+    done += _remade_in_backward(graph, state, [p for p in plan.rewrites if isinstance(p, NoiseReplay)],
+                                apply_noise_replay, undo_remade)
+    done += _remade_in_backward(graph, state, [p for p in plan.rewrites if isinstance(p, NormOutput)],
+                                apply_norm_outputs, undo_remade)
     done += _clone_oversized(graph, [p for p in plan.rewrites if isinstance(p, OversizedResult)], state)
     graph.gm.recompile()
     live = {n.name for n in graph.gm.graph.nodes}

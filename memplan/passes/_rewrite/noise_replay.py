@@ -49,9 +49,10 @@ from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph, Phase
 from memplan.ops import replay_bernoulli_, rng_state, rng_state_bytes
 from memplan.opschema import mutated_args
-from memplan.passes._chunk.graphs import fake_call, fake_mode_of, refresh_aliases
+from memplan.passes._chunk.graphs import fake_mode_of, refresh_aliases
+from memplan.passes._rewrite.remade import Remade
 
-__all__ = ["NoiseReplay", "find_noise_replay", "apply_noise_replay", "undo_noise_replay", "replayable_draws",
+__all__ = ["NoiseReplay", "find_noise_replay", "apply_noise_replay", "replayable_draws",
            "replay_args", "REPLAY_STATE"]
 
 #: The meta key of a draw whose generator state the rewrite took right before it: the state node's name.
@@ -140,65 +141,32 @@ def _chain(members: list[torch.fx.Node], fresh: torch.fx.Node, draw: torch.fx.No
     return chain
 
 
-@dataclasses.dataclass
-class _Applied:
-    made: list[torch.fx.Node]  # the nodes added, in order
-    redirected: list[tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node]]  # (reader, old input, new input)
-
-
-def apply_noise_replay(graph: CapturedGraph, patterns: list[NoiseReplay], state: dict) -> list[_Applied]:
+def apply_noise_replay(graph: CapturedGraph, patterns: list[NoiseReplay], state: dict) -> list[Remade]:
     """Take each pattern's state before its draw and draw its noise again before its first backward
-    reader (edits ``graph`` and ``state``); what each added, for :func:`undo_noise_replay`."""
-    gm = graph.gm
-    mode = fake_mode_of(gm.graph)
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    reader (edits ``graph`` and ``state``); what each added, for :func:`~memplan.passes._rewrite.remade.undo`."""
+    order = {n: i for i, n in enumerate(graph.gm.graph.nodes)}
     done = []
     for pattern in patterns:
         fresh, chain = graph.node(pattern.fresh), [graph.node(n) for n in pattern.chain]
         members = [fresh, *chain]
         readers = [(u, m) for m in members for u in list(m.users) if state["phases"].get(u.name) is Phase.BACKWARD]
         first = min((u for u, _ in readers), key=order.__getitem__)
-        applied = _Applied([], [])
-
-        def insert(before, target, args, kwargs=None, phase=Phase.BACKWARD):  # noqa: ANN001, ANN202
-            with gm.graph.inserting_before(before):
-                new = gm.graph.call_function(target, args, kwargs or {})
-            new.meta["val"] = fake_call(target, args, kwargs or {}, mode)
-            state["phases"][new.name] = phase
-            for key in ("sources", "seq_nr"):
-                if before.name in state[key]:
-                    state[key][new.name] = state[key][before.name]
-            applied.made.append(new)
-            return new
-
-        taken = insert(chain[0], rng_state, (fresh,), phase=Phase.FORWARD)
-        chain[0].meta[REPLAY_STATE] = taken.name  # remat may replay the draw too (see replayable_draws)
+        remade = Remade(graph, state)
+        taken = remade.insert(chain[0], rng_state, (fresh,), phase=Phase.FORWARD)
+        remade.mark(chain[0], REPLAY_STATE, taken.name)  # remat may replay the draw too (see replayable_draws)
         held = fresh.meta["val"]
-        again = insert(first, torch.ops.aten.empty_strided.default, (list(held.shape), list(held.stride())),
-                       {"dtype": held.dtype, "device": held.device})
-        again = insert(first, replay_bernoulli_, (again, _probability(chain[0]), taken))
+        again = remade.insert(first, torch.ops.aten.empty_strided.default, (list(held.shape), list(held.stride())),
+                              {"dtype": held.dtype, "device": held.device})
+        again = remade.insert(first, replay_bernoulli_, (again, _probability(chain[0]), taken))
         for scaling in chain[1:]:
-            again = insert(first, scaling.target, (again, *scaling.args[1:]))
+            again = remade.insert(first, scaling.target, (again, *scaling.args[1:]))
         for reader, member in readers:
-            reader.replace_input_with(member, again)
-            applied.redirected.append((reader, member, again))
-        refresh_aliases(gm.graph, applied.made[1:], mode)
-        done.append(applied)
+            remade.redirect(reader, member, again)
+        refresh_aliases(graph.gm.graph, remade.made[1:], fake_mode_of(graph.gm.graph))
+        done.append(remade)
     return done
 
 
-def undo_noise_replay(graph: CapturedGraph, applied: list[_Applied], state: dict) -> None:
-    """Put back what :func:`apply_noise_replay` changed."""
-    for one in reversed(applied):
-        for reader, old, new in one.redirected:
-            reader.replace_input_with(new, old)
-        for node in reversed(one.made):
-            for user in list(node.users):
-                if user.meta.get(REPLAY_STATE) == node.name:
-                    del user.meta[REPLAY_STATE]
-            graph.gm.graph.erase_node(node)
-            for key in ("phases", "sources", "seq_nr"):
-                state[key].pop(node.name, None)
 
 
 def replayable_draws(nodes: list[torch.fx.Node], position: dict[str, int], by_name) -> frozenset[str]:

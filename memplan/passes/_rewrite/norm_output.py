@@ -41,13 +41,13 @@ from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.tensors import Tensors
 from memplan.capture import CapturedGraph, Phase
 from memplan.opschema import mutated_args
-from memplan.passes._chunk.graphs import fake_call, fake_mode_of, refresh_aliases
+from memplan.passes._chunk.graphs import fake_mode_of, refresh_aliases
+from memplan.passes._rewrite.remade import Remade, undo
 
-__all__ = ["NormOutput", "find_norm_outputs", "apply_norm_outputs", "undo_norm_outputs"]
+__all__ = ["NormOutput", "find_norm_outputs", "apply_norm_outputs"]
 
 _NORM = torch.ops.aten.native_batch_norm.default
 _RELUS = (torch.ops.aten.relu.default, torch.ops.aten.relu_.default)
-_aten = torch.ops.aten
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,63 +122,30 @@ def _read_backward(node: object, phases: dict) -> bool:
     return isinstance(node, torch.fx.Node) and any(phases.get(u.name) is Phase.BACKWARD for u in node.users)
 
 
-@dataclasses.dataclass
-class _Applied:
-    made: list[torch.fx.Node]
-    redirected: list[tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node]]  # (reader, old input, new input)
-
-
-def apply_norm_outputs(graph: CapturedGraph, patterns: list[NormOutput], state: dict) -> list[_Applied]:
+def apply_norm_outputs(graph: CapturedGraph, patterns: list[NormOutput], state: dict) -> list[Remade]:
     """Make each pattern's value again before its first backward reader and point the backward's readers
-    at it (edits ``graph`` and ``state``); what each added, for :func:`undo_norm_outputs`. A pattern whose
+    at it (edits ``graph`` and ``state``); what each added, for :func:`~memplan.passes._rewrite.remade.undo`. A pattern whose
     remade value would not have the read value's layout is left as it was."""
-    gm = graph.gm
-    mode = fake_mode_of(gm.graph)
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    order = {n: i for i, n in enumerate(graph.gm.graph.nodes)}
     done = []
     for pattern in patterns:
         norm, read = graph.node(pattern.norm), graph.node(pattern.read)
         x, weight, bias = norm.args[0], norm.args[1], norm.args[2]
         readers = [u for u in read.users if state["phases"].get(u.name) is Phase.BACKWARD]
         first = min(readers, key=order.__getitem__)
-        applied = _Applied([], [])
-
-        def insert(target, *args):  # noqa: ANN001, ANN202 - one backward node before the first reader
-            with gm.graph.inserting_before(first):
-                new = gm.graph.call_function(target, args)
-            new.meta["val"] = fake_call(target, args, {}, mode)
-            state["phases"][new.name] = Phase.BACKWARD
-            for key in ("sources", "seq_nr"):
-                if first.name in state[key]:
-                    state[key][new.name] = state[key][first.name]
-            applied.made.append(new)
-            return new
-
+        remade = Remade(graph, state)
         # the same kernel on the same input, without running statistics to update: the same statistics
         # and the same output, bit for bit
-        again = insert(_NORM, x, weight, bias, None, None, True, norm.args[6], norm.args[7])
-        again = insert(operator.getitem, again, 0)
+        again = remade.insert(first, _NORM, (x, weight, bias, None, None, True, norm.args[6], norm.args[7]))
+        again = remade.insert(first, operator.getitem, (again, 0))
         if pattern.relu:
-            again = insert(_aten.relu_.default, again)
-        held = read.meta["val"]
-        if (again.meta["val"].shape, again.meta["val"].stride(), again.meta["val"].dtype) != \
-                (held.shape, held.stride(), held.dtype):
-            undo_norm_outputs(graph, [applied], state)
+            again = remade.insert(first, torch.ops.aten.relu_.default, (again,))
+        held, value = read.meta["val"], again.meta["val"]
+        if (value.shape, value.stride(), value.dtype) != (held.shape, held.stride(), held.dtype):
+            undo([remade])
             continue
         for reader in readers:
-            reader.replace_input_with(read, again)
-            applied.redirected.append((reader, read, again))
-        refresh_aliases(gm.graph, [again], mode)
-        done.append(applied)
+            remade.redirect(reader, read, again)
+        refresh_aliases(graph.gm.graph, [again], fake_mode_of(graph.gm.graph))
+        done.append(remade)
     return done
-
-
-def undo_norm_outputs(graph: CapturedGraph, applied: list[_Applied], state: dict) -> None:
-    """Put back what :func:`apply_norm_outputs` changed."""
-    for one in reversed(applied):
-        for reader, old, new in one.redirected:
-            reader.replace_input_with(new, old)
-        for node in reversed(one.made):
-            graph.gm.graph.erase_node(node)
-            for key in ("phases", "sources", "seq_nr"):
-                state[key].pop(node.name, None)
