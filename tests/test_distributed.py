@@ -59,23 +59,34 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _group(rank: int, port: int):
-    """This process as ``rank`` of a gloo group of :data:`WORLD` on this machine."""
+def _group(rank: int, port: int, out: dict):
+    """This process as ``rank`` of a gloo group of :data:`WORLD` on this machine; ``out[("done", rank)]`` is
+    set once the body and a barrier after it have run, before the group is torn down."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         yield
+        dist.barrier()
+        out[("done", rank)] = True
     finally:
         dist.destroy_process_group()
 
 
 def _spawn(worker, *args) -> dict:
-    """What each of :data:`WORLD` processes running ``worker(rank, port, *args, out)`` put in ``out``."""
+    """What each of :data:`WORLD` processes running ``worker(rank, port, *args, out)`` put in ``out``.
+
+    A process that aborts after every rank finished its work and the barrier after it (gloo's teardown
+    under FSDP2 on a loaded machine, about one run in ten: "terminate called without an active exception")
+    does not fail the test: everything the test checks was made before. An abort before that does."""
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(worker, args=(_free_port(), *args, out), nprocs=WORLD, join=True)
-        return dict(out)
+        try:
+            mp.spawn(worker, args=(_free_port(), *args, out), nprocs=WORLD, join=True)
+        except mp.ProcessExitedException:
+            if not all(out.get(("done", rank)) for rank in range(WORLD)):
+                raise
+        return {k: v for k, v in out.items() if not (isinstance(k, tuple) and k[0] == "done")}
 
 
 class _Log(TorchDispatchMode):
@@ -105,7 +116,7 @@ MODES = ("plain", "static", "no_sync")
 
 
 def _worker(rank: int, port: int, state: dict, out: dict) -> None:
-    with _group(rank, port):  # one group for the three modes: each spawn costs seconds
+    with _group(rank, port, out):  # one group for the three modes: each spawn costs seconds
         for mode in MODES:
             _ddp_mode(rank, state, mode, out)
 
@@ -215,7 +226,7 @@ def _fsdp_batches() -> list[torch.Tensor]:
 def _fsdp_worker(rank: int, port: int, state: dict, out: dict) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    with _group(rank, port):
+    with _group(rank, port, out):
         model = Blocks()
         model.load_state_dict(state)
         # the order users follow: plan each block's activations, then shard each block and the root
@@ -287,7 +298,7 @@ class _Counted:
 def _collectives_worker(rank: int, port: int, state: dict, out: dict) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    with _group(rank, port):
+    with _group(rank, port, out):
         for planned in (False, True):
             model = GatedBlocks()
             model.load_state_dict(state)
@@ -319,7 +330,7 @@ def test_recomputing_plans_under_fully_shard_add_no_collective():
 
 
 def _mismatch_worker(rank: int, port: int, out: dict) -> None:
-    with _group(rank, port):
+    with _group(rank, port, out):
         torch.manual_seed(0)
         model = GatedBlocks()
         for i, block in enumerate(model.blocks):  # rank 1 plans the middle block with other passes
@@ -359,7 +370,7 @@ def _peaks_worker(rank: int, port: int, state: dict, out: dict) -> None:
 
     wrap = {"fsdp": lambda b: b, "checkpoint": checkpoint_wrapper, "memplan": memplan.optimize,
             "memplan_budget": lambda b: memplan.optimize(b, budget=0.5)}
-    with _group(rank, port):
+    with _group(rank, port, out):
         for variant, wrapper in wrap.items():
             model = GatedBlocks()
             model.load_state_dict(state)
