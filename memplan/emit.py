@@ -27,6 +27,7 @@ copying the nodes and fx's code generation took most of emit's time.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -34,7 +35,7 @@ import re
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -55,6 +56,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.capture import AUTOCAST_KINDS, CapturedGraph, Phase, autocast_off, caller_line
 from memplan.errors import AutocastBackwardError, HigherOrderGradientError, OutputGradientHookError
+from memplan.graphutil import nbytes
 from memplan.opschema import GRAD_MODE_OPS
 
 __all__ = ["Emitted", "emit", "PlanFunction", "run_training"]
@@ -250,7 +252,7 @@ class _Program:
             elif run:
                 groups.append((i, run))
                 run = []
-        sizes = [sum(_nbytes(hand.value) for hand in hands) for _, hands in groups]
+        sizes = [sum(nbytes(hand.value) for hand in hands) for _, hands in groups]
         share = sum(sizes) / max_stages if groups else 0
         cuts: list[tuple[int, list[_HandOff]]] = []
         pending: list[_HandOff] = []
@@ -263,11 +265,8 @@ class _Program:
                 pending, held = [], 0
         if pending:
             cuts.append((groups[-1][0], pending))
-        given: dict[int, int] = {}  # output position -> stage
-        pause_at: dict[int, _Yield] = {}
-        for stage, (at, hands) in enumerate(cuts):
-            pause_at[at] = _Yield(hands)
-            given.update((hand.index, stage) for hand in hands)
+        pause_at = {at: _Yield(hands) for at, hands in cuts}
+        given = {hand.index for _, hands in cuts for hand in hands}  # output positions given out early
         items = []
         for i, item in enumerate(self.items):
             if i in pause_at:
@@ -276,12 +275,6 @@ class _Program:
         outputs = [None if isinstance(v, _HandOff) and v.index in given else v for v in self.outputs]
         stages = tuple(tuple(hand.index for hand in hands) for _, hands in cuts)
         return _Program(items=items, alias=self.alias, outputs=outputs), stages
-
-
-def _nbytes(node: torch.fx.Node) -> int:
-    """Bytes of ``node``'s traced value (0 without one)."""
-    value = node.meta.get("val")
-    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
 
 
 def _storage_key(node: torch.fx.Node) -> Any:
@@ -579,12 +572,8 @@ class PlanFunction(torch.autograd.Function):
             steps, relay.steps = relay.steps, None
             if steps is None:
                 raise AssertionError("the plan's staged backward reached its last stage without its first")
-            previous, _HANDS.sink = getattr(_HANDS, "sink", None), None  # autograd accumulates each leaf's
-            try:
-                with torch.no_grad():
-                    done, grads = steps.next()
-            finally:
-                _HANDS.sink = previous
+            with _running_backward(sink=None):  # autograd accumulates each leaf's gradient
+                done, grads = steps.next()
             if not done:
                 raise AssertionError("the plan's staged backward paused more often than it has stages")
         else:
@@ -593,17 +582,25 @@ class PlanFunction(torch.autograd.Function):
             # the plan's (computed without recording), and asking for their own gradients is refused: a
             # graph recorded through the plan's code would miss every term through the values it saved.
             sink = None if relay.anchors or torch.is_grad_enabled() else _early_accumulation(ctx.leaves)
-            previous, _HANDS.sink = getattr(_HANDS, "sink", None), sink
-            try:
-                with torch.no_grad():
-                    grads = emitted.run_backward(args)
-            finally:
-                _HANDS.sink = previous
+            with _running_backward(sink):
+                grads = emitted.run_backward(args)
         result: list[Any] = [None] * (2 + ctx.n_inputs)
         for index, grad in zip(emitted.grad_inputs, _gradients(emitted, range(len(grads)), grads, relay)):
             result[2 + index] = grad
         relay.anchors = []
         return tuple(result)
+
+
+@contextlib.contextmanager
+def _running_backward(sink: Callable[[int, Any], Any] | None) -> Iterator[None]:
+    """Where the plan's backward code runs: outside grad mode, its gradients handed to ``sink`` (see
+    :func:`_hand_off`; None: returned to autograd)."""
+    previous, _HANDS.sink = getattr(_HANDS, "sink", None), sink
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        _HANDS.sink = previous
 
 
 def _backward_arguments(ctx: Any, emitted: Emitted, relay: _Relay) -> list[Any]:
@@ -678,12 +675,8 @@ class _Stage(torch.autograd.Function):
             relay.steps = emitted.start_staged(_backward_arguments(ctx, emitted, relay))
         elif relay.steps is None:
             raise AssertionError("a stage of the plan's backward ran before the first")
-        previous, _HANDS.sink = getattr(_HANDS, "sink", None), None  # autograd accumulates each leaf's
-        try:
-            with torch.no_grad():
-                done, given = relay.steps.next()
-        finally:
-            _HANDS.sink = previous
+        with _running_backward(sink=None):  # autograd accumulates each leaf's gradient
+            done, given = relay.steps.next()
         if done:
             raise AssertionError("the plan's staged backward ended before its last stage")
         positions = emitted.stages[ctx.stage]
@@ -855,10 +848,7 @@ def _runner(
 
     def call(args: list[Any]) -> Any:
         try:
-            if not any(map(torch.is_autocast_enabled, AUTOCAST_KINDS)):
-                return function(root, args)
-            with autocast_off():
-                return function(root, args)
+            return _without_autocast(function, root, args)
         except Exception as exc:
             _note_failing_op(exc, f"<memplan {name}>", source, describe)
             raise
@@ -888,11 +878,7 @@ class _Stages:
         """Run to the next pause: ``(False, gradients it gives out)``, or at the end ``(True, the rest)``,
         as :func:`_runner`'s call runs the whole (autocast off, a failing op named)."""
         try:
-            if not any(map(torch.is_autocast_enabled, AUTOCAST_KINDS)):
-                given = next(self.generator)
-            else:
-                with autocast_off():
-                    given = next(self.generator)
+            given = _without_autocast(next, self.generator)
             out = tuple(given)
             given.clear()  # the paused code holds none of them now
             return False, out
@@ -901,6 +887,14 @@ class _Stages:
         except Exception as exc:
             _note_failing_op(exc, f"<memplan {self.name}>", self.source, self.describe)
             raise
+
+
+def _without_autocast(function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)`` with autocast off on the devices capture follows (see below)."""
+    if not any(map(torch.is_autocast_enabled, AUTOCAST_KINDS)):
+        return function(*args)
+    with autocast_off():
+        return function(*args)
 
 
 def _compiled(src: str, globals_: dict[str, Any], name: str, nodes: Iterable[torch.fx.Node]) -> tuple[Callable[..., Any], str]:
