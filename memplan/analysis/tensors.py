@@ -25,8 +25,9 @@ from memplan.analysis.allocator import allocator_for
 from memplan.analysis.manager import Analysis, AnalysisManager
 from memplan.capture import CapturedGraph
 from memplan.ops import HOST_OPS
+from memplan.opschema import mutated_args
 
-__all__ = ["TensorInfo", "StorageInfo", "Tensors", "tensor_values", "parameter_bytes"]
+__all__ = ["TensorInfo", "StorageInfo", "Tensors", "tensor_values", "parameter_bytes", "last_writes"]
 
 
 class TensorInfo(NamedTuple):
@@ -185,3 +186,15 @@ def parameter_bytes(graph: CapturedGraph) -> int:
                     seen.add(sid)
                     total += tensors.storages[sid].nbytes
     return total
+
+
+def last_writes(graph: CapturedGraph, tensors: Any) -> dict[int, int]:
+    """Storage id -> graph position of the last node that writes into it in place (``tensors``: a
+    :class:`Tensors`, or anything with its ``storages_of``)."""
+    last: dict[int, int] = {}
+    for i, node in enumerate(graph.gm.graph.nodes):
+        if node.op == "call_function":
+            for target in mutated_args(node):
+                for sid in tensors.storages_of(target.name):
+                    last[sid] = i
+    return last

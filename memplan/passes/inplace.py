@@ -495,8 +495,7 @@ def apply_inplace(graph: CapturedGraph, plan: InplacePlan) -> CapturedGraph:
                 written = next(a for a in node.args if isinstance(a, torch.fx.Node) and a.name == rewrite.input)
                 node.target = out_overload(node.target)[0]
                 node.kwargs = {**node.kwargs, rewrite.out: written}
-                value = written.meta["val"] if isinstance(written.meta.get("val"), FakeTensor) else \
-                    fake_value(node.target, node.args, node.kwargs)
+                value = _written_value(node, written)
             else:
                 target = inplace_overload(node.target)
                 if rewrite.swap:
@@ -515,14 +514,17 @@ def apply_inplace(graph: CapturedGraph, plan: InplacePlan) -> CapturedGraph:
     return dataclasses.replace(graph)
 
 
-def _written_value(node: torch.fx.Node) -> Any:
-    """The fake value of an in-place op: the value of its first argument, which it writes and returns.
+def _written_value(node: torch.fx.Node, written: Any = None) -> Any:
+    """The fake value of an in-place op: the value of the argument it writes and returns, ``written`` (an
+    ``out=``), by default its first.
 
-    Fake tensors keep an in-place op's ``self`` as its result (the same object), so this is what running
-    the op under the fake mode returns, without running its shape function (a few hundred microseconds
-    each, for thousands of rewritten nodes of an unrolled loop). Anything else runs the op.
+    Fake tensors keep an in-place op's written argument as its result (the same object), so this is what
+    running the op under the fake mode returns, without running its shape function (a few hundred
+    microseconds each, for thousands of rewritten nodes of an unrolled loop). Anything else runs the op.
     """
-    value = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    if written is None and node.args:
+        written = node.args[0]
+    value = written.meta.get("val") if isinstance(written, torch.fx.Node) else None
     if isinstance(value, FakeTensor):
         return value
     return fake_value(node.target, node.args, node.kwargs)

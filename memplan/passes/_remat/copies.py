@@ -16,7 +16,7 @@ import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memplan.analysis.manager import AnalysisManager
-from memplan.analysis.tensors import Tensors, tensor_values
+from memplan.analysis.tensors import Tensors, last_writes, tensor_values
 from memplan.capture import CapturedGraph, Phase
 from memplan.graphutil import (
     GraphEditor,
@@ -28,7 +28,7 @@ from memplan.graphutil import (
     same_geometry,
 )
 from memplan.ops import replay_bernoulli_
-from memplan.passes._remat.facts import RematFacts, StorageIndex, last_writes, output_storages
+from memplan.passes._remat.facts import RematFacts, StorageIndex, output_storages
 from memplan.passes._rewrite.noise_replay import REPLAY_STATE, replay_args
 
 __all__ = [

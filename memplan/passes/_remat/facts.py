@@ -17,7 +17,7 @@ import torch.fx
 
 from memplan.analysis.cost import REFERENCE_RATES, CostRates, node_cost, submodule_cost
 from memplan.analysis.manager import AnalysisManager
-from memplan.analysis.tensors import Tensors, tensor_values
+from memplan.analysis.tensors import Tensors, last_writes, tensor_values
 from memplan.capture import CapturedGraph, Phase
 from memplan.graphutil import is_random, mutated_args, packet_name
 from memplan.passes._rewrite.noise_replay import replayable_draws
@@ -27,7 +27,6 @@ __all__ = [
     "NodeFacts",
     "RematFacts",
     "StorageIndex",
-    "last_writes",
     "output_storages",
     "node_flops",
     "module_flops",
@@ -219,17 +218,6 @@ class StorageIndex:
 
     def storages_of(self, name: str) -> tuple[int, ...]:
         return self._of.get(name, ())
-
-
-def last_writes(graph: CapturedGraph, tensors: Tensors) -> dict[int, int]:
-    """Storage id -> graph position of the last node that writes into it in place."""
-    last: dict[int, int] = {}
-    for i, node in enumerate(graph.gm.graph.nodes):
-        if node.op == "call_function":
-            for target in mutated_args(node):
-                for sid in tensors.storages_of(target.name):
-                    last[sid] = i
-    return last
 
 
 def _inplace_units(graph: CapturedGraph, tensors: Tensors, position: Mapping[str, int],

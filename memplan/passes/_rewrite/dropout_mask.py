@@ -36,9 +36,9 @@ import torch
 import torch.fx
 
 from memplan.analysis.manager import AnalysisManager
-from memplan.analysis.tensors import Tensors
+from memplan.analysis.tensors import Tensors, last_writes
 from memplan.capture import CapturedGraph, Phase
-from memplan.opschema import is_pure_view, mutated_args
+from memplan.opschema import is_pure_view
 from memplan.passes._chunk.graphs import fake_call, fake_mode_of, refresh_aliases
 
 __all__ = ["DropoutFromMask", "find_dropout_from_mask", "apply_dropout_from_mask"]
@@ -91,7 +91,7 @@ def find_dropout_from_mask(graph: CapturedGraph) -> list[DropoutFromMask]:
             continue  # keeping x instead of out would keep as much
         if tensors is None:
             tensors = AnalysisManager(graph).get(Tensors)
-            last_write = _last_writes(graph, tensors)
+            last_write = last_writes(graph, tensors)
         x_storages = set(tensors.storages_of(x.name))
         out_storages = set(tensors.storages_of(out.name))
         if any(last_write.get(sid, -1) > position[node] for sid in x_storages) \
@@ -142,16 +142,6 @@ def _views_read_backward(graph: CapturedGraph, out: torch.fx.Node,
                 walk = chain[walk]
     order = [n for n in graph.gm.graph.nodes if n in needed]
     return tuple(n.name for n in order), read
-
-
-def _last_writes(graph: CapturedGraph, tensors: Tensors) -> dict[int, int]:
-    """Per storage written in place, the position (graph order) of the last node writing into it."""
-    last: dict[int, int] = {}
-    for i, node in enumerate(graph.gm.graph.nodes):
-        for arg in mutated_args(node):
-            for sid in tensors.storages_of(arg.name):
-                last[sid] = i
-    return last
 
 
 def apply_dropout_from_mask(graph: CapturedGraph, patterns: list[DropoutFromMask], state: dict) -> list[torch.fx.Node]:

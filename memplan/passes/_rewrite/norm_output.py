@@ -38,7 +38,7 @@ import torch
 import torch.fx
 
 from memplan.analysis.manager import AnalysisManager
-from memplan.analysis.tensors import Tensors
+from memplan.analysis.tensors import Tensors, last_writes
 from memplan.capture import CapturedGraph, Phase
 from memplan.opschema import mutated_args
 from memplan.passes._chunk.graphs import fake_mode_of, refresh_aliases
@@ -98,10 +98,7 @@ def find_norm_outputs(graph: CapturedGraph) -> list[NormOutput]:
         if tensors is None:
             tensors = AnalysisManager(graph).get(Tensors)
             position = {n: i for i, n in enumerate(graph.gm.graph.nodes)}
-            for n in graph.gm.graph.nodes:
-                for arg in mutated_args(n):
-                    for sid in tensors.storages_of(arg.name):
-                        last_write[sid] = position[n]
+            last_write = last_writes(graph, tensors)
         if any(last_write.get(sid, -1) > position[node] for sid in tensors.storages_of(x.name)):
             continue  # x written after the batch norm
         storages = tensors.storages_of(read.name)
