@@ -8,8 +8,9 @@ For each example workload (:mod:`memplan.examples`), one training step (:func:`m
 * ``aot``: ``torch.compile`` with AOTAutograd's partitioner and eager kernels (``aot_eager_decomp_partition``),
   by default and under ``activation_memory_budget`` (``--budget``, 0.5 by default), the knob the compiler
   offers for memory;
-* ``inductor`` (``--inductor``): ``torch.compile`` with its defaults and the same budget, fused C++ kernels
-  (compiling takes minutes on a small CPU).
+* ``inductor`` (``--inductor``): ``torch.compile`` with its defaults and under the same budget, fused C++
+  kernels (compiling takes minutes on a small CPU); and ``backend, inductor``: memplan's plans of Dynamo's
+  graphs compiled by Inductor (``memplan.compile.backend(inductor=True)``).
 
 Every variant's outputs and gradients are checked against eager's (:func:`memplan.equivalence.assert_equivalent`,
 same inputs, same RNG seed), and the table says where they differ. Peaks are the allocator's
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 
 import memplan
+import memplan.compile
 import memplan.examples as examples
 from memplan.bench import interleaved_medians
 from memplan.measure import allocator_peak, format_bytes
@@ -46,7 +48,7 @@ __all__ = ["variants", "main"]
 def variants(model: torch.nn.Module, budget: float, inductor: bool) -> dict[str, Callable[[], torch.nn.Module]]:
     """Each variant's maker: a fresh copy of ``model`` run that way."""
 
-    def compiled(backend: str, memory_budget: float | None) -> Callable[[], torch.nn.Module]:
+    def compiled(backend: Any, memory_budget: float | None) -> Callable[[], torch.nn.Module]:
         def make() -> torch.nn.Module:
             module = torch.compile(copy.deepcopy(model), backend=backend)
             if memory_budget is None:
@@ -62,7 +64,10 @@ def variants(model: torch.nn.Module, budget: float, inductor: bool) -> dict[str,
         f"aot, budget {budget}": compiled("aot_eager_decomp_partition", budget),
     }
     if inductor:
+        made["inductor"] = compiled("inductor", None)
         made[f"inductor, budget {budget}"] = compiled("inductor", budget)
+        made["backend, inductor"] = lambda: torch.compile(copy.deepcopy(model),
+                                                          backend=memplan.compile.backend(inductor=True))
     return made
 
 

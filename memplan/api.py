@@ -350,6 +350,7 @@ class OptimizedModule(nn.Module):
         verify: bool = False,
         rates: CostRates | str | None = None,
         device: torch.device | str | None = None,
+        inductor: bool = False,
     ):
         super().__init__()
         target = resolve_target(device)  # an unknown device is refused here, before any call
@@ -370,6 +371,8 @@ class OptimizedModule(nn.Module):
         #: ``device``: a model's own ``.device``, which many have, reads through this module.)
         self.target_device = target.device if target is not None else None
         self.max_plans = max_plans
+        #: Whether each plan's forward and backward run as Inductor's compiled code (see :mod:`memplan.inductor`).
+        self.inductor = bool(inductor)
         # check each signature's first call against eager (memplan.verify); private, not to hide a `verify`
         # of the model's, which reads through this module
         self._verify = bool(verify)
@@ -411,6 +414,7 @@ class OptimizedModule(nn.Module):
         super().__setstate__(state)
         self.__dict__.setdefault("max_plans", MAX_PLANS)
         self.__dict__.setdefault("target_device", None)
+        self.__dict__.setdefault("inductor", False)
         self._lock = threading.RLock()
 
     @property
@@ -474,6 +478,10 @@ class OptimizedModule(nn.Module):
         # the passes, whose own traces run autograd over the values: its code makes its tensors there.
         planned, graph = on_target(result.graph), on_target(graph)
         emitted = emit(planned)
+        if self.inductor:
+            from memplan.inductor import compile_emitted
+
+            emitted = compile_emitted(emitted)
         tensors = analyses.get(Tensors)
         saved_storages = {sid for name in emitted.saved for sid in tensors.storages_of(name) if not tensors.storages[sid].external}
         saved_bytes = sum(tensors.storages[sid].nbytes for sid in saved_storages)
@@ -762,6 +770,7 @@ def optimize(
     verify: bool = False,
     rates: CostRates | str | None = None,
     device: torch.device | str | None = None,
+    inductor: bool = False,
 ) -> OptimizedModule:
     """Wrap ``model`` so that each call runs a memory-planned version of it.
 
@@ -805,6 +814,12 @@ def optimize(
         calling the module then raises :class:`~memplan.errors.TargetDeviceError` unless its tensors are on
         that device. See :mod:`memplan._capture.target` for what is planned as CUDA runs it and what is
         refused. None (the default): plan for the device of each call's tensors.
+    inductor : bool
+        Run each plan's forward and backward as code compiled by Inductor (torch.compile's compiler, its
+        fused kernels) instead of memplan's op-by-op code: memplan still decides what the step saves and
+        recomputes. The default pipeline is then :data:`memplan.inductor.PIPELINE` (the passes that only
+        order and reuse buffers are Inductor's business), and dropout's noise is kept, not drawn again.
+        Each module compiles on the first call of its signature. See :mod:`memplan.inductor`.
 
     Notes
     -----
@@ -826,9 +841,17 @@ def optimize(
     from memplan.pipeline import parse_pipeline
 
     refuse_compiled(model, "memplan.optimize(model)")
-    names = parse_pipeline(DEFAULT_PIPELINE if passes is None else passes)
-    check_options(options or {})
+    options = dict(options or {})
+    if inductor:
+        from memplan import inductor as compiled
+
+        names = parse_pipeline(compiled.PIPELINE if passes is None else passes)
+        compiled.refuse_pipeline(names)
+        options = {**compiled.OPTIONS, **options}
+    else:
+        names = parse_pipeline(DEFAULT_PIPELINE if passes is None else passes)
+    check_options(options)
     return OptimizedModule(
         model, policy=Policy(budget=budget, max_overhead=max_overhead), passes=names, fallback=fallback,
-        options=options, max_plans=max_plans, verify=verify, rates=rates, device=device,
+        options=options, max_plans=max_plans, verify=verify, rates=rates, device=device, inductor=inductor,
     )

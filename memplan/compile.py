@@ -17,8 +17,11 @@ Two spellings:
   (:attr:`MemplanBackend.modules`), whose ``.plan`` says what memplan did to that graph and predicts its
   peak (``plan.report()``, ``plan.planned_peak``).
 
-What it does not do (yet): hand the planned graphs to Inductor (the planned forward and backward run as
-memplan's emitted code, op by op, as ``memplan.optimize`` runs them); share a plan between graphs; plan
+- ``memplan.compile.backend(inductor=True)``: the same plans, whose forward and backward Inductor compiles
+  (fused kernels; :mod:`memplan.inductor`). Without it they run as memplan's emitted code, op by op, as
+  ``memplan.optimize`` runs them.
+
+What it does not do (yet): share a plan between graphs; plan
 for symbolic shapes: a graph Dynamo made dynamic is planned once per concrete shape it is called with
 (up to :data:`memplan.api.MAX_PLANS` of them kept).
 """
@@ -50,16 +53,20 @@ class MemplanBackend:
 
     def __init__(self, *, budget: int | str | None = None, max_overhead: float = 0.3, passes: str | Sequence[str] | None = None,
                  options: Mapping[str, Any] | None = None, verify: bool = False,
-                 rates: CostRates | str | None = None, keep: bool = True) -> None:
+                 rates: CostRates | str | None = None, inductor: bool = False, keep: bool = True) -> None:
         from memplan.api import optimize
         from memplan.pipeline import check_options, parse_pipeline
 
         if passes is not None:
             parse_pipeline(passes)  # a bad pipeline is refused here, not at the first compiled call
         check_options(dict(options or {}))
+        if inductor and passes is not None:
+            from memplan.inductor import refuse_pipeline
+
+            refuse_pipeline(parse_pipeline(passes))
         self._optimize = optimize
         self.settings = {"budget": budget, "max_overhead": max_overhead, "passes": passes,
-                         "options": dict(options or {}), "verify": verify, "rates": rates}
+                         "options": dict(options or {}), "verify": verify, "rates": rates, "inductor": inductor}
         self.keep = keep
         self.modules: list[torch.nn.Module] = []
 
@@ -83,8 +90,11 @@ class MemplanBackend:
 
 def backend(*, budget: int | str | None = None, max_overhead: float = 0.3, passes: str | Sequence[str] | None = None,
             options: Mapping[str, Any] | None = None, verify: bool = False,
-            rates: CostRates | str | None = None) -> MemplanBackend:
+            rates: CostRates | str | None = None, inductor: bool = False) -> MemplanBackend:
     """A ``torch.compile`` backend planning with these arguments of :func:`memplan.optimize`.
+
+    With ``inductor=True`` each graph's planned forward and backward are compiled by Inductor (fused
+    kernels) instead of running as memplan's op-by-op code (see :mod:`memplan.inductor`).
 
     Examples
     --------
@@ -99,7 +109,7 @@ def backend(*, budget: int | str | None = None, max_overhead: float = 0.3, passe
     (1, True)
     """
     return MemplanBackend(budget=budget, max_overhead=max_overhead, passes=passes, options=options,
-                          verify=verify, rates=rates)
+                          verify=verify, rates=rates, inductor=inductor)
 
 
 def memplan_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:

@@ -104,7 +104,7 @@ import warnings
 
 import torch
 
-__all__ = ["grouped_addmm_", "grouped_addmm_blocks", "offload", "offload_wait_", "prefetch", "prefetch_wait_",
+__all__ = ["grouped_addmm_", "grouped_addmm_blocks", "grouped_addmm_into", "offload", "offload_wait_", "prefetch", "prefetch_wait_",
            "HOST_OPS", "TIER_OPS", "rng_state", "replay_bernoulli_", "rng_state_bytes"]
 
 _LIBRARY = torch.library.Library("memplan", "DEF")
@@ -207,6 +207,25 @@ _LIBRARY.impl("grouped_addmm_", _grouped_addmm_, "CompositeExplicitAutograd")
 _LIBRARY.impl("grouped_addmm_", _grouped_addmm_fake, "Meta")
 
 grouped_addmm_ = torch.ops.memplan.grouped_addmm_.default
+
+# The same write with nothing returned, for graphs handed to a compiler (memplan.inductor): torch's
+# functionalization turns a custom op that writes its arguments into a functional call only where the op
+# returns no alias of them.
+_LIBRARY.define(
+    "grouped_addmm_into(Tensor(a!) out, Tensor cols, Tensor values, Tensor dense, int per_group, bool scatter, "
+    "Tensor(b!) workspace) -> ()"
+)
+
+
+def _grouped_addmm_into(out: torch.Tensor, cols: torch.Tensor, values: torch.Tensor, dense: torch.Tensor,
+                        per_group: int, scatter: bool, workspace: torch.Tensor) -> None:
+    _grouped_addmm_(out, cols, values, dense, per_group, scatter, workspace)
+
+
+_LIBRARY.impl("grouped_addmm_into", _grouped_addmm_into, "CompositeExplicitAutograd")
+_LIBRARY.impl("grouped_addmm_into", _check, "Meta")  # checks, and returns nothing
+
+grouped_addmm_into = torch.ops.memplan.grouped_addmm_into.default
 
 
 # ----------------------------------------------------------------------------------------------

@@ -134,7 +134,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Union
 
 import torch
@@ -168,7 +168,7 @@ from memplan.passes._rewrite.saved_before_write import (
     apply_saved_before_write,
     find_saved_before_write,
 )
-from memplan.pipeline import PassContext, PassResult, PassStats, register_pass
+from memplan.pipeline import PassContext, PassResult, PassStats, pass_options, register_pass
 
 __all__ = ["Attention", "BroadcastMatmul", "BroadcastProduct", "MatmulMax", "ScatterIntoZeros", "InterleavedSlices", "OversizedResult", "RewritePlan", "plan_rewrite", "apply_rewrite", "rewrite"]
 
@@ -1197,7 +1197,25 @@ _FINDERS: tuple[Callable[[CapturedGraph], Sequence[Rewrite]], ...] = (
 )
 
 
-def plan_rewrite(graph: CapturedGraph) -> RewritePlan:
+@dataclasses.dataclass(frozen=True)
+class RewriteOptions:
+    """Options of the pass (``ctx.options`` keys ``"rewrite.<field>"``).
+
+    Attributes
+    ----------
+    noise_replay : bool
+        Rewrite (i): dropout's noise drawn again in the backward from the generator's state. On by
+        default; off under ``inductor=True`` (see :mod:`memplan.inductor`).
+    """
+
+    noise_replay: bool = True
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any]) -> "RewriteOptions":
+        return pass_options(cls, "rewrite", options)
+
+
+def plan_rewrite(graph: CapturedGraph, options: RewriteOptions = RewriteOptions()) -> RewritePlan:
     """Stage 1: the patterns found in ``graph`` (pure).
 
     Examples
@@ -1212,7 +1230,8 @@ def plan_rewrite(graph: CapturedGraph) -> RewritePlan:
     # Step 1: the patterns, each node in at most one.
     found: list[Rewrite] = []
     taken: set[str] = set()
-    for pattern in (p for find in _FINDERS for p in find(graph)):
+    finders = [find for find in _FINDERS if options.noise_replay or find is not find_noise_replay]
+    for pattern in (p for find in finders for p in find(graph)):
         nodes = pattern.claimed()
         if nodes & taken:
             continue
@@ -1271,12 +1290,12 @@ def apply_rewrite(graph: CapturedGraph, plan: RewritePlan) -> tuple[CapturedGrap
     return graph, tuple(done)
 
 
-@register_pass("rewrite")
+@register_pass("rewrite", options=RewriteOptions.from_mapping)
 def rewrite(graph: CapturedGraph, ctx: PassContext) -> PassResult:
     """Rewrite broadcast matmuls, matmul+max regions, broadcast products, oversized results, vocabulary
     heads with their cross-entropy, copies saved before in-place writes, and attention written out (see
     the module docstring)."""
-    plan = plan_rewrite(graph)
+    plan = plan_rewrite(graph, RewriteOptions.from_mapping(ctx.options))
     # the rewrites that add time (a head's chunks recompute its product) are priced and chosen by the
     # policy, on graphs built with them; the plan chosen is not built twice
     built: dict[tuple[Rewrite, ...], tuple[CapturedGraph, tuple[Rewrite, ...]]] = {}

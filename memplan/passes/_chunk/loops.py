@@ -412,6 +412,15 @@ def replay_views(value: Any, steps: Sequence[tuple]) -> Any:
     return value
 
 
+def _storage_id(value: torch.Tensor) -> int | None:
+    """Where ``value``'s storage starts, or None for a tensor without one to read (a functional tensor of a
+    compiler's trace, see :mod:`memplan.inductor`: the loop then copies where it would ask)."""
+    try:
+        return value.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
+
+
 def _overlaps(t: torch.Tensor) -> bool:
     return torch._debug_has_internal_overlap(t) != 0
 
@@ -458,7 +467,7 @@ class ChunkLoop(torch.nn.Module):
         combined = [(i, out) for i, out in enumerate(spec.outputs)
                     if out.same_as < 0 and out.view_of < 0 and out.kind != "inplace"]
         owned: set[int] = set()  # storages of the folded outputs' values and of the inputs: never shared
-        owned.update(a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor))
+        owned.update(_storage_id(a) for a in args if isinstance(a, torch.Tensor))
         widened = [i for i, s in enumerate(spec.inputs) if s.dtype is not None]
         slots: dict[int, Sequence[torch.Tensor]] = {}  # "cat" outputs: each chunk's slice of the result
         for i, out in combined:
@@ -529,10 +538,10 @@ class ChunkLoop(torch.nn.Module):
                 return value * weight
             return acc.add_(value, alpha=weight)
         if acc is None:
-            storage = value.untyped_storage().data_ptr()
-            if _overlaps(value) or storage in owned:
+            storage = _storage_id(value)
+            if storage is None or _overlaps(value) or storage in owned:
                 value = value.clone()
-            owned.add(value.untyped_storage().data_ptr())
+            owned.add(_storage_id(value))
             return value
         if kind == "sum":
             return acc.add_(value)

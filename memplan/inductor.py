@@ -1,0 +1,176 @@
+"""A plan's forward and backward compiled by Inductor (``optimize(model, inductor=True)``,
+``memplan.compile.backend(inductor=True)``).
+
+memplan decides what a training step keeps for its backward and what it computes again there (its
+recomputing passes: ``rewrite``, ``chunk``, ``timesteps``, ``remat``); :func:`memplan.emit.emit` splits
+the planned graph into a forward module (model outputs and the saved values) and a backward module. Here
+each module goes to Inductor as torch.compile hands a graph to it after AOTAutograd's partitioner: the
+module is traced again over fake tensors, functionalized (in-place ops become their functional forms,
+writes into the module's inputs copies at its end) and decomposed with Inductor's own table, then
+compiled by ``compile_fx_inner``. The plan's saved set stays memplan's, and the kernels are Inductor's,
+fused; Inductor plans the buffers inside each module itself, so the passes that only order and reuse
+buffers (``inplace``, ``concat``, ``schedule``) are not in this pipeline (:data:`PIPELINE`).
+
+Each module is compiled on its first call, from that call's tensors (a plan is made for one signature).
+The compiled modules take their arguments as one list and free each at its last use, as memplan's own
+modules do.
+
+Randomness stays eager's: Inductor is told to call torch's own random ops (``fallback_random``) rather
+than its generator, and, where a module draws more than once, not to reorder its ops for memory
+(``reorder_for_peak_memory``), which could swap two draws. A draw taken again in the backward
+(``rewrite``'s dropout noise replay, which reads the generator's state as a value) is not planned here:
+nothing would keep the compiled forward from moving the state's read across its draw.
+
+What a plan predicts (``plan.planned_peak``) is the peak of memplan's op-by-op execution; fused kernels
+make fewer temporaries, so the compiled plan's peak is at most about that, and is measured with the
+allocator (:func:`memplan.measure.allocator_peak`), as compiled code runs outside dispatch modes. The
+backward runs in one piece (no stages for DDP's hooks: see :func:`memplan.emit.run_training`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+
+from memplan.capture import autocast_off
+from memplan.emit import Emitted, _hand_off
+from memplan.ops import grouped_addmm_, grouped_addmm_into, replay_bernoulli_, rng_state, TIER_OPS
+
+__all__ = ["PIPELINE", "OPTIONS", "compile_emitted", "refuse_pipeline"]
+
+#: The default pipeline under ``inductor=True``: the passes that decide what is saved and recomputed.
+PIPELINE: tuple[str, ...] = ("rewrite", "chunk", "timesteps", "remat")
+#: Pass options under ``inductor=True`` unless the user sets them (see the module docstring).
+OPTIONS: dict[str, Any] = {"rewrite.noise_replay": False}
+
+# In-place operators of memplan's own, and their forms that return nothing (functionalizable).
+_INTO = {grouped_addmm_: grouped_addmm_into}
+
+
+def refuse_pipeline(passes: Sequence[str]) -> None:
+    """Refuse, up front, a pipeline whose operators a compiled plan cannot run."""
+    if "offload" in passes:
+        raise ValueError(
+            "inductor=True cannot run the offload pass: its copies to host memory and their waits are "
+            "ordered by position on memplan's own schedule, which Inductor does not keep. Fix: drop "
+            '"offload" from passes=, or plan without inductor=True.'
+        )
+
+
+def compile_emitted(emitted: Emitted) -> Emitted:
+    """``emitted`` with its forward and backward run by Inductor's code, each compiled on its first call."""
+    forward = _Compiled(lambda: emitted.forward, "forward")
+    backward = _Compiled(lambda: emitted.backward, "backward") if emitted.run_backward is not None else None
+    return dataclasses.replace(emitted, run_forward=forward, run_backward=backward, stages=(), start_staged=None)
+
+
+class _Compiled:
+    """A boxed runner: compiles the module ``module()`` with Inductor on its first call, then runs it."""
+
+    def __init__(self, module: Callable[[], torch.fx.GraphModule], name: str) -> None:
+        self._module = module
+        self.name = name
+        self._lock = threading.Lock()
+        self._run: Callable[[list[Any]], Any] | None = None
+        self._layouts: list[tuple[torch.Size, tuple[int, ...]] | None] = []
+        self.compile_seconds: float | None = None
+
+    def __call__(self, args: list[Any]) -> Any:
+        if self._run is None:
+            with self._lock:
+                if self._run is None:
+                    import time
+
+                    start = time.perf_counter()
+                    # A tangent may come as a broadcast scalar on one call and dense on the next, and the
+                    # compiled code assumes the strides it was compiled for: it is compiled for dense ones.
+                    args[:] = [a.contiguous() if isinstance(a, torch.Tensor) and 0 in a.stride() else a for a in args]
+                    self._layouts = [(a.shape, a.stride()) if isinstance(a, torch.Tensor) else None for a in args]
+                    self._run = _compile(self._module(), args, self.name)
+                    self.compile_seconds = time.perf_counter() - start
+        for i, (arg, layout) in enumerate(zip(args, self._layouts)):
+            if layout is not None and arg.stride() != layout[1]:
+                args[i] = torch.empty_strided(*layout, dtype=arg.dtype, device=arg.device).copy_(arg)
+                arg = None
+        with torch.no_grad(), autocast_off():
+            return self._run(args)
+
+
+def _plain(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``module`` called with positional arguments, without its gradient hand-offs, with memplan's
+    in-place operators in their forms that return nothing."""
+    graph = copy.deepcopy(module.graph)
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is _hand_off:
+            node.replace_all_uses_with(node.args[1])
+            graph.erase_node(node)
+        elif node.target in _INTO:
+            with graph.inserting_after(node):
+                into = graph.call_function(_INTO[node.target], node.args, node.kwargs)
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            into.meta = {}
+        elif node.target in (rng_state, replay_bernoulli_) or node.target in TIER_OPS:
+            raise NotImplementedError(
+                f"memplan's {node.target} cannot be compiled by Inductor (see memplan.inductor); it is "
+                "not planned under inductor=True"
+            )
+    graph.set_codegen(torch.fx.graph.CodeGen())
+    return torch.fx.GraphModule(module, graph, class_name=type(module).__name__)
+
+
+def _functionalized(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` traced functionally, as AOTAutograd traces a graph for Inductor: in-place ops
+    become functional ones, and an input written in place gets its new value copied in at the end."""
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+    def unwrap(t: FunctionalTensor) -> torch.Tensor:
+        torch._sync(t)
+        return torch._from_functional_tensor(t.elem)
+
+    def inner(*args: Any) -> Any:
+        excluded = torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize))
+        with excluded, FunctionalTensorMode():
+            wrapped = [FunctionalTensor.to_functional(a) if isinstance(a, torch.Tensor) else a for a in args]
+            outputs = pytree.tree_map_only(FunctionalTensor, unwrap, function(*wrapped))
+            for original, value in zip(args, wrapped):
+                if isinstance(value, FunctionalTensor):
+                    torch._sync(value)
+                    if torch._functionalize_has_data_mutation(value.elem):
+                        original.copy_(torch._from_functional_tensor(value.elem))
+        return outputs
+
+    return inner
+
+
+def _draws(graph: torch.fx.Graph) -> int:
+    return sum(1 for n in graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+               and torch.Tag.nondeterministic_seeded in n.target.tags)
+
+
+def _compile(module: torch.fx.GraphModule, args: Sequence[Any], name: str) -> Callable[[list[Any]], Any]:
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    plain = _plain(module)
+    patches: dict[str, Any] = {"fallback_random": True}
+    if _draws(plain.graph) > 1:
+        patches["reorder_for_peak_memory"] = False
+    examples = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    with config.patch(patches), torch.no_grad(), autocast_off():
+        traced = make_fx(_functionalized(plain), decomposition_table=select_decomp_table(),
+                         tracing_mode="fake")(*examples)
+        fakes = [n.meta.get("val") for n in traced.graph.nodes if n.op == "placeholder"]
+        compiled = compile_fx_inner(traced, fakes, is_backward=name == "backward")
+    return compiled
