@@ -20,7 +20,8 @@ gradients a mode would make out of place are made as eager makes them; times are
 interleaved blocks (:func:`memplan.bench.interleaved_medians`); first calls (planning, compiling) are
 reported beside them.
 
-Run ``python benchmarks/compile_backend.py [--size small] [--workloads maxsim,seq2seq] [--inductor]``.
+Run ``python benchmarks/compile_backend.py [--size small] [--workloads maxsim,seq2seq] [--inductor]``, or
+``--zoo gpt2,resnet`` for models of the library zoo (``tests/zoo``) instead of the examples.
 """
 
 from __future__ import annotations
@@ -83,13 +84,27 @@ class _Budgeted(torch.nn.Module):
             return self.module(*args)
 
 
-def run(name: str, size: str, budget: float, inductor: bool, repeats: int) -> list[dict[str, Any]]:
-    workload = examples.make(name, size=size)
+def _zoo(name: str) -> tuple[torch.nn.Module, tuple]:
+    """A model of the library zoo (``tests/zoo``) by its factory's name, and its inputs."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "tests" / "zoo" / "test_library_models.py"
+    spec = importlib.util.spec_from_file_location("memplan_zoo_models", path)
+    zoo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(zoo)
+    torch.manual_seed(0)
+    model, inputs = getattr(zoo, name)()
+    return model.train(), tuple(inputs)
+
+
+def run(name: str, size: str, budget: float, inductor: bool, repeats: int, zoo: bool = False) -> list[dict[str, Any]]:
+    model, workload_inputs = _zoo(name) if zoo else (lambda w: (w.model, w.inputs))(examples.make(name, size=size))
     rows, steps = [], []
-    for label, make in variants(workload.model, budget, inductor).items():
+    for label, make in variants(model, budget, inductor).items():
         torch._dynamo.reset()
         inputs = [x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
-                  for x in workload.inputs]
+                  for x in workload_inputs]
         module = make()
         step = step_fn(module, inputs, train=True)
         start = time.perf_counter()
@@ -100,7 +115,7 @@ def run(name: str, size: str, budget: float, inductor: bool, repeats: int) -> li
         check = "-"
         if label != "eager":
             try:
-                assert_equivalent(workload.model, module, *inputs)
+                assert_equivalent(model, module, *inputs)
                 check = "equal"
             except AssertionError as exc:  # reported, not hidden: a variant that computes something else
                 check = "DIFFERS: " + str(exc).splitlines()[0][:100]
@@ -119,6 +134,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workloads", default=",".join(examples.WORKLOADS))
     parser.add_argument("--budget", type=float, default=0.5, help="activation_memory_budget for torch.compile")
     parser.add_argument("--inductor", action="store_true", help="also torch.compile's default backend")
+    parser.add_argument("--zoo", default="", help="comma-separated models of tests/zoo (e.g. gpt2,resnet) instead of "
+                        "the examples")
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
@@ -126,8 +143,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch {torch.__version__}, CPU, {args.threads} thread(s), size {args.size}; peaks: allocator_peak")
     print("| workload | variant | peak | vs eager | step time | vs eager | first call | outputs and gradients |")
     print("|---|---|---|---|---|---|---|---|")
-    for name in args.workloads.split(","):
-        rows = run(name, args.size, args.budget, args.inductor, args.repeats)
+    names = args.zoo.split(",") if args.zoo else args.workloads.split(",")
+    for name in names:
+        rows = run(name, args.size, args.budget, args.inductor, args.repeats, zoo=bool(args.zoo))
         eager = rows[0]
         for row in rows:
             print(f"| {name} | {row['variant']} | {format_bytes(row['peak'])} | {eager['peak'] / max(row['peak'], 1):.2f}x lower "

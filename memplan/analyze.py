@@ -23,7 +23,7 @@ from memplan.analysis.liveness import Liveness
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation, SimEvent
 from memplan.analysis.tensors import Tensors, parameter_bytes
-from memplan.capture import CapturedGraph, Phase, capture, on_target, refuse_compiled
+from memplan.capture import CapturedGraph, Phase, capture, is_compiled, on_target
 from memplan.graphutil import run_device
 from memplan.measure import format_bytes
 from memplan.report.data import build_report
@@ -40,6 +40,8 @@ class MemoryAnalysis:
     liveness: Liveness
     saved: SavedForBackward
     simulation: PeakSimulation
+    #: Whether ``model`` was a module ``torch.compile`` wrapped (see :func:`analyze`).
+    compiled: bool = False
 
     @property
     def peak(self) -> int:
@@ -98,9 +100,10 @@ class MemoryAnalysis:
         n = sum(1 for _ in self.graph.gm.graph.nodes)
         device = self.device
         on = "" if device.type == "cpu" else f" on {device}"
+        compiled = ", the program torch.compile runs, op by op" if self.compiled else ""
         return (
             f"MemoryAnalysis({mode}, {n} nodes, predicted peak {format_bytes(self.peak)}{on}, "
-            f"saved for backward {format_bytes(self.saved.nbytes)})"
+            f"saved for backward {format_bytes(self.saved.nbytes)}{compiled})"
         )
 
     def report(self, title: str = "memplan analysis"):
@@ -128,7 +131,20 @@ class MemoryAnalysis:
     def explain(self, top: int = 10) -> Explanation:
         """What is alive at the peak: summed by kind, by layer (module path) and by source line, a one-line
         diagnosis of what would lower it, then the ``top`` largest tensors with why each is alive."""
-        return explain_peak(self.graph, self._analyses(), top)
+        explanation = explain_peak(self.graph, self._analyses(), top)
+        if not self.compiled:
+            return explanation
+        note = (_COMPILED_NOTE if explanation.diagnosis is None else f"{explanation.diagnosis} {_COMPILED_NOTE}")
+        return dataclasses.replace(explanation, diagnosis=note)
+
+
+# What an analysis of a compiled module says of itself (see analyze).
+_COMPILED_NOTE = (
+    "(torch.compile: this is the model's program run op by op; Dynamo's graphs run the same ops, and the "
+    "compiler's fused kernels hold fewer temporaries inside each graph, while its partitioner may keep "
+    "other tensors for the backward. Compiled with memplan.compile.backend(), each graph's plan predicts "
+    "its own peak to the byte: backend.plans[i].report().)"
+)
 
 
 def analyze(
@@ -156,6 +172,12 @@ def analyze(
     >>> # for CUDA, on any machine: the 3000-byte output in 512-byte blocks
     >>> analyze(torch.nn.Linear(256, 250), torch.randn(3, 256), train=False, device="cuda").peak
     3072
+
+    A module ``torch.compile`` wrapped is analysed through the module it wraps: the ops Dynamo's graphs run,
+    op by op (``.compiled`` is True, and :meth:`MemoryAnalysis.explain` says what the compiler changes).
     """
-    refuse_compiled(model, "memplan.analyze(model, ...)")
-    return MemoryAnalysis.from_graph(on_target(capture(model, *inputs, train=train, target_device=device, **kwargs)))
+    compiled = is_compiled(model)
+    if compiled:  # the program torch.compile runs is the module's own: memplan traces that
+        model = model._orig_mod
+    analysis = MemoryAnalysis.from_graph(on_target(capture(model, *inputs, train=train, target_device=device, **kwargs)))
+    return dataclasses.replace(analysis, compiled=True) if compiled else analysis

@@ -89,6 +89,7 @@ __all__ = [
     "caller_line",
     "TRACING",
     "on_target",
+    "is_compiled",
     "refuse_compiled",
     "leaf_paths",
     "STATIC_TYPES",
@@ -771,9 +772,14 @@ def capture(
     return captured
 
 
+def is_compiled(model: Any) -> bool:
+    """Whether ``model`` is a module ``torch.compile`` wrapped (its own module is ``model._orig_mod``)."""
+    return type(model).__name__ == "OptimizedModule" and type(model).__module__.startswith("torch._dynamo")
+
+
 def refuse_compiled(model: Any, call: str) -> None:
     """A clear error for a module ``torch.compile`` wrapped, which memplan cannot trace."""
-    if type(model).__name__ == "OptimizedModule" and type(model).__module__.startswith("torch._dynamo"):
+    if is_compiled(model):
         raise CaptureError(
             "memplan traces a model's own code, and torch.compile's wrapper cannot be traced. Fix: pass "
             f"the module itself, {call} (a compiled module keeps it as ._orig_mod); to plan inside "

@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -53,6 +54,55 @@ OPTIONS: dict[str, Any] = {"rewrite.noise_replay": False}
 # In-place operators of memplan's own, and their forms that return nothing (functionalizable).
 _INTO = {grouped_addmm_: grouped_addmm_into}
 
+# A submodule the plan calls (the chunk pass's loops, ``memplan.passes._chunk.loops.ChunkLoop``) runs as one
+# opaque operator in the compiled code: Inductor would unroll the loop and fuse its chunks' partial results
+# into one kernel that holds them all (and compile for minutes), where the loop keeps one chunk at a time.
+_LIBRARY = torch.library.Library("memplan", "FRAGMENT")
+_LIBRARY.define("opaque_call(str key, Tensor?[] args) -> Tensor[]")
+# key -> (the module, its outputs' (shape, stride, dtype, device)); the compiled code holds the modules
+_OPAQUE: "weakref.WeakValueDictionary[str, _Opaque]"
+
+
+class _Opaque:
+    def __init__(self, module: torch.nn.Module, outputs: Sequence[Any]) -> None:
+        from memplan.passes._chunk.loops import ChunkLoop
+
+        if not isinstance(module, ChunkLoop):
+            raise NotImplementedError(f"a plan calling the module {type(module).__name__} cannot be compiled by Inductor")
+        self.module = module
+        self.outputs = [(tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in outputs]
+        # the loop's last output stands for its scratch memory in memplan's analyses (a fake value of the
+        # scratch's size); what the loop returns there is an empty tensor
+        shape, stride, dtype, device = self.outputs[-1]
+        self.outputs[-1] = ((0,), (1,), dtype, device)
+
+
+def _opaque_call(key: str, args: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    outputs = list(_OPAQUE[key].module(*args))
+    # An operator's outputs must alias neither its inputs nor each other (functionalization relies on it):
+    # a loop output that is an input, or a view of another output, is copied.
+    seen = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor) and a.numel()}
+    for i, out in enumerate(outputs):
+        if out.numel():
+            storage = out.untyped_storage().data_ptr()
+            if storage in seen:
+                outputs[i] = out = out.clone()
+                storage = out.untyped_storage().data_ptr()
+            seen.add(storage)
+    return outputs
+
+
+def _opaque_fake(key: str, args: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+    return [torch.empty_strided(shape, stride, dtype=dtype, device=device if device is not None else where)
+            for shape, stride, dtype, where in _OPAQUE[key].outputs]
+
+
+_LIBRARY.impl("opaque_call", _opaque_call, "CompositeExplicitAutograd")
+torch.library.register_fake("memplan::opaque_call", _opaque_fake, lib=_LIBRARY)
+_OPAQUE = weakref.WeakValueDictionary()
+opaque_call = torch.ops.memplan.opaque_call.default
+
 
 def refuse_pipeline(passes: Sequence[str]) -> None:
     """Refuse, up front, a pipeline whose operators a compiled plan cannot run."""
@@ -72,42 +122,51 @@ def compile_emitted(emitted: Emitted) -> Emitted:
 
 
 class _Compiled:
-    """A boxed runner: compiles the module ``module()`` with Inductor on its first call, then runs it."""
+    """A boxed runner: compiles the module ``module()`` with Inductor on its first call, then runs it.
+
+    The compiled code assumes the strides of the tensors it was compiled for. A tangent may come as a
+    broadcast scalar (``loss.sum().backward()``) on one call and dense on the next: each layout of the
+    arguments gets its own compiled code (made again from the same module on its first call)."""
 
     def __init__(self, module: Callable[[], torch.fx.GraphModule], name: str) -> None:
         self._module = module
         self.name = name
         self._lock = threading.Lock()
-        self._run: Callable[[list[Any]], Any] | None = None
-        self._layouts: list[tuple[torch.Size, tuple[int, ...]] | None] = []
-        self.compile_seconds: float | None = None
+        self._runs: dict[tuple, Callable[[list[Any]], Any]] = {}
+        self.compile_seconds = 0.0  # compiling, all layouts together
 
     def __call__(self, args: list[Any]) -> Any:
-        if self._run is None:
+        layout = tuple(a.stride() if isinstance(a, torch.Tensor) else None for a in args)
+        run = self._runs.get(layout)
+        if run is None:
             with self._lock:
-                if self._run is None:
+                run = self._runs.get(layout)
+                if run is None:
                     import time
 
                     start = time.perf_counter()
-                    # A tangent may come as a broadcast scalar on one call and dense on the next, and the
-                    # compiled code assumes the strides it was compiled for: it is compiled for dense ones.
-                    args[:] = [a.contiguous() if isinstance(a, torch.Tensor) and 0 in a.stride() else a for a in args]
-                    self._layouts = [(a.shape, a.stride()) if isinstance(a, torch.Tensor) else None for a in args]
-                    self._run = _compile(self._module(), args, self.name)
-                    self.compile_seconds = time.perf_counter() - start
-        for i, (arg, layout) in enumerate(zip(args, self._layouts)):
-            if layout is not None and arg.stride() != layout[1]:
-                args[i] = torch.empty_strided(*layout, dtype=arg.dtype, device=arg.device).copy_(arg)
-                arg = None
+                    run = self._runs[layout] = _compile(self._module(), args, self.name)
+                    self.compile_seconds += time.perf_counter() - start
         with torch.no_grad(), autocast_off():
-            return self._run(args)
+            return run(args)
 
 
 def _plain(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """``module`` called with positional arguments, without its gradient hand-offs, with memplan's
     in-place operators in their forms that return nothing."""
     graph = copy.deepcopy(module.graph)
+    held: list[_Opaque] = []
     for node in list(graph.nodes):
+        if node.op == "call_module":
+            opaque = _Opaque(module.get_submodule(node.target), node.meta["val"])
+            key = f"{node.target}@{id(opaque)}"
+            _OPAQUE[key] = opaque
+            held.append(opaque)
+            with graph.inserting_after(node):
+                call = graph.call_function(opaque_call, (key, list(node.args)))
+            node.replace_all_uses_with(call)
+            graph.erase_node(node)
+            continue
         if node.op != "call_function":
             continue
         if node.target is _hand_off:
@@ -125,7 +184,9 @@ def _plain(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
                 "not planned under inductor=True"
             )
     graph.set_codegen(torch.fx.graph.CodeGen())
-    return torch.fx.GraphModule(module, graph, class_name=type(module).__name__)
+    plain = torch.fx.GraphModule(module, graph, class_name=type(module).__name__)
+    plain.memplan_opaque = held  # alive as long as the module (and the compiled code made from it)
+    return plain
 
 
 def _functionalized(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -173,4 +234,9 @@ def _compile(module: torch.fx.GraphModule, args: Sequence[Any], name: str) -> Ca
                          tracing_mode="fake")(*examples)
         fakes = [n.meta.get("val") for n in traced.graph.nodes if n.op == "placeholder"]
         compiled = compile_fx_inner(traced, fakes, is_backward=name == "backward")
-    return compiled
+    held = plain.memplan_opaque  # the loops the compiled code calls by key live as long as it
+
+    def run(arguments: list[Any]) -> Any:
+        return compiled(arguments) if held is not None else None
+
+    return run

@@ -156,11 +156,21 @@ def test_the_allocator_ruler_reads_what_measure_counts_and_what_kernels_allocate
     assert allocator_peak(kth_step) > measure(kth_step).peak
 
 
-@pytest.mark.parametrize("call", ["analyze", "optimize"])
-def test_a_module_compiled_elsewhere_is_refused_with_both_fixes(call):
+def test_a_module_compiled_elsewhere_is_refused_by_optimize_with_both_fixes():
     compiled = torch.compile(nn.Linear(4, 4))
     with pytest.raises(memplan.CaptureError, match=r"\._orig_mod.*backend=\"memplan\""):
-        if call == "analyze":
-            memplan.analyze(compiled, torch.randn(2, 4))
-        else:
-            memplan.optimize(compiled)
+        memplan.optimize(compiled)
+
+
+def test_analyze_explains_a_compiled_module_through_the_program_it_runs():
+    torch.manual_seed(0)
+    model = Broken()
+    compiled = torch.compile(model)
+    x = torch.randn(7, 12, requires_grad=True)
+    analysis = memplan.analyze(compiled, x)
+    own = memplan.analyze(model, x)
+    assert analysis.compiled and not own.compiled
+    assert analysis.peak == own.peak and analysis.saved.nbytes == own.saved.nbytes
+    assert "torch.compile runs" in repr(analysis)
+    assert "backend.plans[i].report()" in analysis.explain().diagnosis
+    assert "torch.compile" not in (own.explain().diagnosis or "")
