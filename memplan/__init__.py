@@ -24,6 +24,7 @@ from memplan.errors import (
     UnsupportedInputError,
     UnsupportedNodeError,
     VerificationWarning,
+    CompileFallbackWarning,
 )
 from memplan.measure import Measurement, format_bytes, measure
 
@@ -51,4 +52,5 @@ __all__ = [
     "PassRolledBackWarning",
     "TargetDeviceError",
     "VerificationWarning",
+    "CompileFallbackWarning",
 ]

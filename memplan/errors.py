@@ -17,6 +17,7 @@ __all__ = [
     "TargetDeviceError",
     "PassRolledBackWarning",
     "VerificationWarning",
+    "CompileFallbackWarning",
 ]
 
 
@@ -78,6 +79,18 @@ class PassRolledBackWarning(UserWarning):
 class VerificationWarning(UserWarning):
     """``optimize(..., verify=True)`` skipped its check (the eager copy would not fit in memory), or
     found the plan differing from eager with no pass to blame, and ran that signature eagerly."""
+
+
+class CompileFallbackWarning(UserWarning):
+    """``inductor=True``: Inductor could not compile one of a plan's modules (a functionalization torch
+    refuses, an operator it cannot lower), which runs as memplan's own code instead, op by op: the plan's
+    values and memory are the same, its kernels are not fused there. ``module``: which module
+    (``"forward"``, ``"backward"``, ``"chunk body"``); ``reason``: the compiler's error."""
+
+    def __init__(self, message: str, *, module: str = "", reason: str = ""):
+        super().__init__(message)
+        self.module = module
+        self.reason = reason
 
 
 class HigherOrderGradientError(MemplanError, RuntimeError):

@@ -11,9 +11,14 @@ compiled by ``compile_fx_inner``. The plan's saved set stays memplan's, and the 
 fused; Inductor plans the buffers inside each module itself, so the passes that only order and reuse
 buffers (``inplace``, ``concat``, ``schedule``) are not in this pipeline (:data:`PIPELINE`).
 
-Each module is compiled on its first call, from that call's tensors (a plan is made for one signature).
-The compiled modules take their arguments as one list and free each at its last use, as memplan's own
-modules do.
+Each module is compiled on its first call, from that call's tensors (a plan is made for one signature),
+once per layout of its arguments (a loss's gradient may come dense or as a broadcast scalar). The compiled
+modules take their arguments as one list and free each at its last use, as memplan's own modules do.
+
+A chunk loop of the plan (:class:`memplan.passes._chunk.loops.ChunkLoop`) stays a loop: it runs as one
+opaque operator (``memplan::opaque_call``) inside the compiled module, and its bodies are compiled in turn.
+Unrolled, Inductor summed the chunks' partial results in one kernel reading them all, which undid the
+chunking.
 
 Randomness stays eager's: Inductor is told to call torch's own random ops (``fallback_random``) rather
 than its generator, and, where a module draws more than once, not to reorder its ops for memory
@@ -32,6 +37,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,7 +47,8 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from memplan.capture import autocast_off
-from memplan.emit import Emitted, _hand_off
+from memplan.emit import Emitted, _hand_off, fast_callable
+from memplan.errors import CompileFallbackWarning
 from memplan.ops import grouped_addmm_, grouped_addmm_into, replay_bernoulli_, rng_state, TIER_OPS
 
 __all__ = ["PIPELINE", "OPTIONS", "compile_emitted", "refuse_pipeline"]
@@ -70,6 +77,8 @@ class _Opaque:
         if not isinstance(module, ChunkLoop):
             raise NotImplementedError(f"a plan calling the module {type(module).__name__} cannot be compiled by Inductor")
         self.module = module
+        # each chunk's body is compiled too (fused kernels inside the chunk), on its first run
+        module.run_bodies_with(lambda body: _Compiled(lambda: body, "chunk body", fast_callable(body)))
         self.outputs = [(tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in outputs]
         # the loop's last output stands for its scratch memory in memplan's analyses (a fake value of the
         # scratch's size); what the loop returns there is an empty tensor
@@ -115,40 +124,140 @@ def refuse_pipeline(passes: Sequence[str]) -> None:
 
 
 def compile_emitted(emitted: Emitted) -> Emitted:
-    """``emitted`` with its forward and backward run by Inductor's code, each compiled on its first call."""
-    forward = _Compiled(lambda: emitted.forward, "forward")
-    backward = _Compiled(lambda: emitted.backward, "backward") if emitted.run_backward is not None else None
-    return dataclasses.replace(emitted, run_forward=forward, run_backward=backward, stages=(), start_staged=None)
+    """``emitted`` with its forward and backward run by Inductor's code, compiled on the first call."""
+    plan = _CompiledPlan(emitted)
+    return dataclasses.replace(emitted, run_forward=plan.forward,
+                               run_backward=plan.backward if emitted.run_backward is not None else None,
+                               stages=(), start_staged=None)
+
+
+class _CompiledPlan:
+    """A plan's forward and backward, compiled together on the first forward call (the backward from fake
+    values of its arguments): memplan's own backward reads the storages of the values its own forward
+    saved (an in-place unit remade is viewed with ``as_strided`` over its storage), so where Inductor
+    cannot compile one of the two, both run as memplan's code, with a :class:`CompileFallbackWarning`."""
+
+    def __init__(self, emitted: Emitted) -> None:
+        self.emitted = emitted
+        self.compiled_forward = _Compiled(lambda: emitted.forward, "forward")
+        self.compiled_backward = (_Compiled(lambda: emitted.backward, "backward")
+                                  if emitted.run_backward is not None else None)
+        self.fallen_back: bool | None = None  # None until the first call decides
+        self._lock = threading.Lock()
+
+    def forward(self, args: list[Any]) -> Any:
+        if self.fallen_back is None:
+            with self._lock:
+                if self.fallen_back is None:
+                    self.fallen_back = not self._compile(args)
+        if self.fallen_back:
+            return self.emitted.run_forward(args)
+        return self.compiled_forward(args)
+
+    def backward(self, args: list[Any]) -> Any:
+        if self.fallen_back or self.compiled_backward is None:
+            return self.emitted.run_backward(args)
+        return self.compiled_backward(args)
+
+    def _compile(self, args: list[Any]) -> bool:
+        module = "forward"
+        try:
+            self.compiled_forward.compile(args)
+            if self.compiled_backward is not None:
+                module = "backward"
+                self.compiled_backward.compile(_fake_arguments(self.emitted.backward))
+        except Exception as exc:  # noqa: BLE001 - any failure of the compiler: memplan's code runs
+            text = str(exc).strip()
+            reason = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+            warnings.warn(CompileFallbackWarning(
+                f"inductor=True: Inductor could not compile the plan's {module} ({reason[:300]}); the plan runs "
+                "as memplan's own code, op by op, with the same values and memory, its kernels not fused.",
+                module=module, reason=reason), stacklevel=4)
+            return False
+        return True
+
+    @property
+    def compile_seconds(self) -> float:
+        parts = [self.compiled_forward] + ([self.compiled_backward] if self.compiled_backward else [])
+        return sum(part.compile_seconds for part in parts)
 
 
 class _Compiled:
-    """A boxed runner: compiles the module ``module()`` with Inductor on its first call, then runs it.
+    """A boxed runner of the module ``module()`` compiled by Inductor, once per layout of its arguments.
 
     The compiled code assumes the strides of the tensors it was compiled for. A tangent may come as a
-    broadcast scalar (``loss.sum().backward()``) on one call and dense on the next: each layout of the
-    arguments gets its own compiled code (made again from the same module on its first call)."""
+    broadcast scalar (``loss.sum().backward()``) on one call and dense on the next: each layout gets its
+    own code, compiled on its first call; where that fails, the arguments are copied into the layout of
+    the first code compiled. ``fallback``: memplan's own code of the module, run where even the first
+    compilation fails (None: that failure raises)."""
 
-    def __init__(self, module: Callable[[], torch.fx.GraphModule], name: str) -> None:
+    def __init__(self, module: Callable[[], torch.fx.GraphModule], name: str,
+                 fallback: Callable[[list[Any]], Any] | None = None) -> None:
         self._module = module
         self.name = name
+        self._fallback = fallback
         self._lock = threading.Lock()
         self._runs: dict[tuple, Callable[[list[Any]], Any]] = {}
         self.compile_seconds = 0.0  # compiling, all layouts together
 
-    def __call__(self, args: list[Any]) -> Any:
-        layout = tuple(a.stride() if isinstance(a, torch.Tensor) else None for a in args)
-        run = self._runs.get(layout)
-        if run is None:
-            with self._lock:
-                run = self._runs.get(layout)
-                if run is None:
-                    import time
+    @staticmethod
+    def _layout(args: Sequence[Any]) -> tuple:
+        return tuple(a.stride() if isinstance(a, torch.Tensor) else None for a in args)
 
-                    start = time.perf_counter()
+    def compile(self, args: Sequence[Any]) -> Callable[[list[Any]], Any]:
+        """The code for the layout of ``args`` (real or fake tensors), compiled now if it is new."""
+        layout = self._layout(args)
+        with self._lock:
+            run = self._runs.get(layout)
+            if run is None:
+                import time
+
+                start = time.perf_counter()
+                try:
                     run = self._runs[layout] = _compile(self._module(), args, self.name)
+                finally:
                     self.compile_seconds += time.perf_counter() - start
+        return run
+
+    def __call__(self, args: list[Any]) -> Any:
+        run = self._runs.get(self._layout(args))
+        if run is None:
+            try:
+                run = self.compile(args)
+            except Exception as exc:  # noqa: BLE001 - see the class docstring
+                if self._runs:
+                    layout, run = next(iter(self._runs.items()))
+                    args[:] = [a if stride is None or a.stride() == stride else
+                               torch.empty_strided(a.shape, stride, dtype=a.dtype, device=a.device).copy_(a)
+                               for a, stride in zip(args, layout)]
+                elif self._fallback is not None:
+                    text = str(exc).strip()
+                    reason = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+                    warnings.warn(CompileFallbackWarning(
+                        f"inductor=True: Inductor could not compile a {self.name} of the plan ({reason[:300]}); "
+                        "it runs as memplan's own code, op by op, with the same values and memory.",
+                        module=self.name, reason=reason), stacklevel=2)
+                    run = self._runs[self._layout(args)] = self._fallback
+                else:
+                    raise
         with torch.no_grad(), autocast_off():
             return run(args)
+
+
+def _fake_arguments(module: torch.fx.GraphModule) -> list[Any]:
+    """Fake tensors (no memory) shaped as ``module``'s arguments, as its placeholders' values record them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    arguments = []
+    with FakeTensorMode():
+        for node in module.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            value = node.meta.get("val")
+            if isinstance(value, torch.Tensor):
+                value = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+            arguments.append(value)
+    return arguments
 
 
 def _plain(module: torch.fx.GraphModule) -> torch.fx.GraphModule:

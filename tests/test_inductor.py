@@ -108,7 +108,8 @@ def test_the_backend_compiles_each_planned_graph_with_inductor():
     x = torch.randn(9, 12, requires_grad=True)
     assert_equivalent(model, compiled, x)
     (module,) = planner.modules
-    assert module.inductor and module.plan.emitted.run_backward.compile_seconds > 0
+    compiled = module.plan.emitted.run_forward.__self__  # the plan's compiled forward and backward
+    assert module.inductor and compiled.fallen_back is False and compiled.compile_seconds > 0
     assert "inductor=True" in repr(planner)
 
 
@@ -117,3 +118,20 @@ def test_a_plan_compiled_by_inductor_refuses_offload_up_front():
         memplan.optimize(nn.Linear(2, 2), inductor=True, passes="remat,offload")
     with pytest.raises(ValueError, match="offload.*Fix: drop"):
         memplan.compile.backend(inductor=True, passes="offload")
+
+
+def test_a_plan_inductor_cannot_compile_runs_as_memplans_code_with_a_warning():
+    """The seq2seq example's plan remakes an in-place unit in its backward through ``as_strided`` views,
+    whose writes torch's functionalization refuses: forward and backward both run as memplan's own code
+    (its backward reads the storages its own forward saved), the values and the peak the plan's."""
+    workload = make("seq2seq", size="small")
+    opt = memplan.optimize(copy.deepcopy(workload.model), inductor=True)
+    inputs = [x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+              for x in workload.inputs]
+    with pytest.warns(memplan.CompileFallbackWarning, match="could not compile the plan's backward") as caught:
+        assert_equivalent(workload.model, opt, *inputs)
+    assert [w.message.module for w in caught if issubclass(w.category, memplan.CompileFallbackWarning)] == ["backward"]
+    assert opt.plan.emitted.run_forward.__self__.fallen_back
+    step = step_fn(opt, inputs, train=True)
+    step()
+    assert allocator_peak(step) <= 1.01 * opt.plan.planned_peak

@@ -453,6 +453,11 @@ class ChunkLoop(torch.nn.Module):
             self._runners = {int(k): fast_callable(body) for k, body in self.bodies.items()}
         return self._runners[length]
 
+    def run_bodies_with(self, make: Callable[[torch.fx.GraphModule], Callable[[list[Any]], Any]]) -> None:
+        """Run each body (called with one list of arguments) with ``make(body)`` instead of its fx code: a
+        compiled plan compiles them (:mod:`memplan.inductor`)."""
+        self._runners = {int(k): make(body) for k, body in self.bodies.items()}
+
     def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         spec = self.spec
         results: list[Any] = [None] * len(spec.outputs)
