@@ -38,7 +38,7 @@ from memplan.capture import (
     TRACING, CapturedGraph, capture, check_leaves, is_static_leaf, leaf_paths, on_target, refuse_compiled,
 )
 from memplan.emit import Emitted, emit, run_inference, run_training
-from memplan.errors import CaptureError, TargetDeviceError, UnsupportedInputError
+from memplan.errors import CaptureError, CompileFallbackWarning, TargetDeviceError, UnsupportedInputError
 from memplan.measure import format_bytes
 from memplan.graphutil import copy_graph, graph_device, mutated_args
 from memplan.pipeline import PassManager, PassRecord, check_options, user_stacklevel
@@ -461,6 +461,22 @@ class OptimizedModule(nn.Module):
             return self._build_plan_unpaused(args, kwargs, self.passes if passes is None else tuple(passes))
 
     def _build_plan_unpaused(self, args: tuple, kwargs: dict, passes: tuple[str, ...]) -> Plan:
+        if not self.inductor:
+            return self._planned(args, kwargs, passes, inductor=False)
+        from memplan import inductor
+
+        try:
+            return self._planned(args, kwargs, passes, inductor=True)
+        except inductor.InductorFailed as failed:
+            # memplan's own code, as planned without inductor=True (its default pipeline for the default)
+            ordinary = DEFAULT_PIPELINE if passes == inductor.PIPELINE else passes
+            warnings.warn(CompileFallbackWarning(
+                f"inductor=True: {failed}; this signature runs as memplan's own code, op by op, planned with "
+                f"passes={','.join(ordinary)!r}: the same values, its kernels not fused.",
+                module=failed.module, reason=failed.reason), stacklevel=user_stacklevel())
+            return self._planned(args, kwargs, ordinary, inductor=False)
+
+    def _planned(self, args: tuple, kwargs: dict, passes: tuple[str, ...], inductor: bool) -> Plan:
         start = time.perf_counter()
         original = self.original
         graph = capture(original, *args, seed="tangents", target_device=self.target_device, **kwargs)
@@ -478,7 +494,7 @@ class OptimizedModule(nn.Module):
         # the passes, whose own traces run autograd over the values: its code makes its tensors there.
         planned, graph = on_target(result.graph), on_target(graph)
         emitted = emit(planned)
-        if self.inductor:
+        if inductor:
             from memplan.inductor import compile_emitted
 
             emitted = compile_emitted(emitted)
@@ -819,7 +835,8 @@ def optimize(
         fused kernels) instead of memplan's op-by-op code: memplan still decides what the step saves and
         recomputes. The default pipeline is then :data:`memplan.inductor.PIPELINE` (the passes that only
         order and reuse buffers are Inductor's business), and dropout's noise is kept, not drawn again.
-        Each module compiles on the first call of its signature. See :mod:`memplan.inductor`.
+        Both compile while the signature is planned; where Inductor cannot compile them, the signature is
+        planned again without it, with a :class:`~memplan.errors.CompileFallbackWarning`. See :mod:`memplan.inductor`.
 
     Notes
     -----

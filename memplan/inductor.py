@@ -11,8 +11,9 @@ compiled by ``compile_fx_inner``. The plan's saved set stays memplan's, and the 
 fused; Inductor plans the buffers inside each module itself, so the passes that only order and reuse
 buffers (``inplace``, ``concat``, ``schedule``) are not in this pipeline (:data:`PIPELINE`).
 
-Each module is compiled on its first call, from that call's tensors (a plan is made for one signature),
-once per layout of its arguments (a loss's gradient may come dense or as a broadcast scalar). The compiled
+Both modules are compiled while the signature is planned, from fake values of their arguments (as the
+planned graph records them), and again for another layout of the arguments on its first call (a loss's
+gradient may come dense or as a broadcast scalar). The compiled
 modules take their arguments as one list and free each at its last use, as memplan's own modules do.
 
 A chunk loop of the plan (:class:`memplan.passes._chunk.loops.ChunkLoop`) stays a loop: it runs as one
@@ -22,7 +23,10 @@ chunking.
 
 Randomness stays eager's: Inductor is told to call torch's own random ops (``fallback_random``) rather
 than its generator, and, where a module draws more than once, not to reorder its ops for memory
-(``reorder_for_peak_memory``), which could swap two draws. A draw taken again in the backward
+(``reorder_for_peak_memory``), which could swap two draws. Where Inductor cannot compile a plan's forward or backward (torch's functionalization refuses a write
+through an ``as_strided`` view, say), :meth:`memplan.OptimizedModule` plans that signature again without
+``inductor=True`` and runs memplan's own code, with a :class:`~memplan.errors.CompileFallbackWarning`. A draw
+taken again in the backward
 (``rewrite``'s dropout noise replay, which reads the generator's state as a value) is not planned here:
 nothing would keep the compiled forward from moving the state's read across its draw.
 
@@ -51,7 +55,7 @@ from memplan.emit import Emitted, _hand_off, fast_callable
 from memplan.errors import CompileFallbackWarning
 from memplan.ops import grouped_addmm_, grouped_addmm_into, replay_bernoulli_, rng_state, TIER_OPS
 
-__all__ = ["PIPELINE", "OPTIONS", "compile_emitted", "refuse_pipeline"]
+__all__ = ["PIPELINE", "OPTIONS", "InductorFailed", "compile_emitted", "refuse_pipeline"]
 
 #: The default pipeline under ``inductor=True``: the passes that decide what is saved and recomputed.
 PIPELINE: tuple[str, ...] = ("rewrite", "chunk", "timesteps", "remat")
@@ -107,6 +111,28 @@ def _opaque_fake(key: str, args: list[torch.Tensor | None]) -> list[torch.Tensor
             for shape, stride, dtype, where in _OPAQUE[key].outputs]
 
 
+# A dropout's draw on a CPU (``empty_like(x).bernoulli_(q)``) fills its tensor in memory order, so its
+# strides decide which element gets which number. Functionalized, it becomes ``bernoulli(t, q)``, which
+# Inductor runs as ``bernoulli_`` on a copy laid out as it likes (contiguous): another element order than
+# eager's where ``x`` was a transposed view. This operator draws into a tensor of the strides eager had,
+# and Inductor keeps the layout a custom operator's output declares.
+_LIBRARY.define("draw_bernoulli(SymInt[] size, SymInt[] stride, float p, ScalarType dtype, Device device) -> Tensor",
+                tags=(torch.Tag.nondeterministic_seeded,))
+
+
+def _draw_bernoulli(size: list[int], stride: list[int], p: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty_strided(size, stride, dtype=dtype, device=device).bernoulli_(p)
+
+
+def _draw_bernoulli_fake(size: list[int], stride: list[int], p: float, dtype: torch.dtype,
+                         device: torch.device) -> torch.Tensor:
+    return torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+
+_LIBRARY.impl("draw_bernoulli", _draw_bernoulli, "CompositeExplicitAutograd")
+torch.library.register_fake("memplan::draw_bernoulli", _draw_bernoulli_fake, lib=_LIBRARY)
+draw_bernoulli = torch.ops.memplan.draw_bernoulli.default
+
 _LIBRARY.impl("opaque_call", _opaque_call, "CompositeExplicitAutograd")
 torch.library.register_fake("memplan::opaque_call", _opaque_fake, lib=_LIBRARY)
 _OPAQUE = weakref.WeakValueDictionary()
@@ -124,62 +150,43 @@ def refuse_pipeline(passes: Sequence[str]) -> None:
 
 
 def compile_emitted(emitted: Emitted) -> Emitted:
-    """``emitted`` with its forward and backward run by Inductor's code, compiled on the first call."""
+    """``emitted`` with its forward and backward run by Inductor's code, both compiled now, from fake values
+    of their arguments (as the planned graph records them). Raises :class:`InductorFailed` where Inductor
+    cannot compile one of them: memplan's own backward reads the storages its own forward saved (an
+    in-place unit remade is viewed with ``as_strided`` over its storage), so the two go together."""
     plan = _CompiledPlan(emitted)
     return dataclasses.replace(emitted, run_forward=plan.forward,
                                run_backward=plan.backward if emitted.run_backward is not None else None,
                                stages=(), start_staged=None)
 
 
+class InductorFailed(Exception):
+    """Inductor could not compile a plan's ``module`` (``"forward"`` or ``"backward"``); ``reason``: why."""
+
+    def __init__(self, module: str, reason: str) -> None:
+        super().__init__(f"Inductor could not compile the plan's {module} ({reason})")
+        self.module, self.reason = module, reason
+
+
 class _CompiledPlan:
-    """A plan's forward and backward, compiled together on the first forward call (the backward from fake
-    values of its arguments): memplan's own backward reads the storages of the values its own forward
-    saved (an in-place unit remade is viewed with ``as_strided`` over its storage), so where Inductor
-    cannot compile one of the two, both run as memplan's code, with a :class:`CompileFallbackWarning`."""
+    """A plan's forward and backward compiled by Inductor (see :func:`compile_emitted`)."""
 
     def __init__(self, emitted: Emitted) -> None:
-        self.emitted = emitted
-        self.compiled_forward = _Compiled(lambda: emitted.forward, "forward")
-        self.compiled_backward = (_Compiled(lambda: emitted.backward, "backward")
-                                  if emitted.run_backward is not None else None)
-        self.fallen_back: bool | None = None  # None until the first call decides
-        self._lock = threading.Lock()
-
-    def forward(self, args: list[Any]) -> Any:
-        if self.fallen_back is None:
-            with self._lock:
-                if self.fallen_back is None:
-                    self.fallen_back = not self._compile(args)
-        if self.fallen_back:
-            return self.emitted.run_forward(args)
-        return self.compiled_forward(args)
-
-    def backward(self, args: list[Any]) -> Any:
-        if self.fallen_back or self.compiled_backward is None:
-            return self.emitted.run_backward(args)
-        return self.compiled_backward(args)
-
-    def _compile(self, args: list[Any]) -> bool:
-        module = "forward"
-        try:
-            self.compiled_forward.compile(args)
-            if self.compiled_backward is not None:
-                module = "backward"
-                self.compiled_backward.compile(_fake_arguments(self.emitted.backward))
-        except Exception as exc:  # noqa: BLE001 - any failure of the compiler: memplan's code runs
-            text = str(exc).strip()
-            reason = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-            warnings.warn(CompileFallbackWarning(
-                f"inductor=True: Inductor could not compile the plan's {module} ({reason[:300]}); the plan runs "
-                "as memplan's own code, op by op, with the same values and memory, its kernels not fused.",
-                module=module, reason=reason), stacklevel=4)
-            return False
-        return True
+        self.forward = _Compiled(lambda: emitted.forward, "forward")
+        self.backward = _Compiled(lambda: emitted.backward, "backward") if emitted.run_backward is not None else None
+        for part in (self.forward, self.backward):
+            if part is None:
+                continue
+            module = part.name
+            try:
+                part.compile(_fake_arguments(part.module()))
+            except Exception as exc:  # noqa: BLE001 - any failure of the compiler
+                text = str(exc).strip()
+                raise InductorFailed(module, f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:300]) from exc
 
     @property
     def compile_seconds(self) -> float:
-        parts = [self.compiled_forward] + ([self.compiled_backward] if self.compiled_backward else [])
-        return sum(part.compile_seconds for part in parts)
+        return sum(part.compile_seconds for part in (self.forward, self.backward) if part is not None)
 
 
 class _Compiled:
@@ -193,7 +200,7 @@ class _Compiled:
 
     def __init__(self, module: Callable[[], torch.fx.GraphModule], name: str,
                  fallback: Callable[[list[Any]], Any] | None = None) -> None:
-        self._module = module
+        self.module = module
         self.name = name
         self._fallback = fallback
         self._lock = threading.Lock()
@@ -214,7 +221,7 @@ class _Compiled:
 
                 start = time.perf_counter()
                 try:
-                    run = self._runs[layout] = _compile(self._module(), args, self.name)
+                    run = self._runs[layout] = _compile(self.module(), args, self.name)
                 finally:
                     self.compile_seconds += time.perf_counter() - start
         return run
@@ -287,6 +294,16 @@ def _plain(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
             into.meta = {}
+        elif (node.target is torch.ops.aten.bernoulli_.float and not node.kwargs and len(node.args) == 2
+              and isinstance(node.args[0], torch.fx.Node) and _fresh(node.args[0])):
+            # a draw into a tensor made for it (see draw_bernoulli)
+            fresh, value = node.args[0], node.args[0].meta["val"]
+            with graph.inserting_after(node):
+                draw = graph.call_function(draw_bernoulli, (list(value.shape), list(value.stride()), node.args[1],
+                                                            value.dtype, value.device))
+            node.replace_all_uses_with(draw)
+            graph.erase_node(node)
+            graph.erase_node(fresh)
         elif node.target in (rng_state, replay_bernoulli_) or node.target in TIER_OPS:
             raise NotImplementedError(
                 f"memplan's {node.target} cannot be compiled by Inductor (see memplan.inductor); it is "
@@ -296,6 +313,13 @@ def _plain(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
     plain = torch.fx.GraphModule(module, graph, class_name=type(module).__name__)
     plain.memplan_opaque = held  # alive as long as the module (and the compiled code made from it)
     return plain
+
+
+def _fresh(node: torch.fx.Node) -> bool:
+    """Whether ``node`` makes an uninitialised tensor read by one op only."""
+    return (node.op == "call_function" and node.target in (torch.ops.aten.empty_like.default, torch.ops.aten.empty.memory_format,
+                                                           torch.ops.aten.empty_strided.default, torch.ops.aten.new_empty.default)
+            and len(node.users) == 1 and isinstance(node.meta.get("val"), torch.Tensor))
 
 
 def _functionalized(function: Callable[..., Any]) -> Callable[..., Any]:
