@@ -13,8 +13,12 @@ buffers (``inplace``, ``concat``, ``schedule``) are not in this pipeline (:data:
 
 Both modules are compiled while the signature is planned, from fake values of their arguments (as the
 planned graph records them), and again for another layout of the arguments on its first call (a loss's
-gradient may come dense or as a broadcast scalar). The compiled
-modules take their arguments as one list and free each at its last use, as memplan's own modules do.
+gradient may come dense or as a broadcast scalar). The compiled modules take their arguments as one list
+and free each at its last use, as memplan's own modules do. Where Inductor cannot compile the forward or
+the backward (torch's functionalization refuses a write through an ``as_strided`` view, say), the
+signature is planned again without ``inductor=True`` and runs memplan's own code, with a
+:class:`~memplan.errors.CompileFallbackWarning` (memplan's backward reads the storages its own forward
+saved: the two run together).
 
 A chunk loop of the plan (:class:`memplan.passes._chunk.loops.ChunkLoop`) stays a loop: it runs as one
 opaque operator (``memplan::opaque_call``) inside the compiled module, and its bodies are compiled in turn.
@@ -22,18 +26,17 @@ Unrolled, Inductor summed the chunks' partial results in one kernel reading them
 chunking.
 
 Randomness stays eager's: Inductor is told to call torch's own random ops (``fallback_random``) rather
-than its generator, and, where a module draws more than once, not to reorder its ops for memory
-(``reorder_for_peak_memory``), which could swap two draws. Where Inductor cannot compile a plan's forward or backward (torch's functionalization refuses a write
-through an ``as_strided`` view, say), :meth:`memplan.OptimizedModule` plans that signature again without
-``inductor=True`` and runs memplan's own code, with a :class:`~memplan.errors.CompileFallbackWarning`. A draw
-taken again in the backward
-(``rewrite``'s dropout noise replay, which reads the generator's state as a value) is not planned here:
-nothing would keep the compiled forward from moving the state's read across its draw.
+than its generator; where a module draws more than once, not to reorder its ops for memory
+(``reorder_for_peak_memory``), which could swap two draws; and a dropout's draw into a fresh tensor runs as
+``memplan::draw_bernoulli``, into a tensor of eager's strides (see there). A draw taken again in the
+backward (``rewrite``'s dropout noise replay, which reads the generator's state as a value) is not planned
+here: nothing would keep the compiled forward from moving the state's read across its draw.
 
-What a plan predicts (``plan.planned_peak``) is the peak of memplan's op-by-op execution; fused kernels
-make fewer temporaries, so the compiled plan's peak is at most about that, and is measured with the
-allocator (:func:`memplan.measure.allocator_peak`), as compiled code runs outside dispatch modes. The
-backward runs in one piece (no stages for DDP's hooks: see :func:`memplan.emit.run_training`).
+What a plan predicts (``plan.planned_peak``) is the peak of memplan's op-by-op code; Inductor's kernels
+hold other temporaries (fewer where they fuse, more where a fused kernel reads many buffers at once), so a
+compiled plan is measured with the allocator (:func:`memplan.measure.allocator_peak`), as compiled code
+runs outside dispatch modes. The backward runs in one piece (no stages for DDP's hooks: see
+:func:`memplan.emit.run_training`).
 """
 
 from __future__ import annotations
@@ -75,6 +78,8 @@ _OPAQUE: "weakref.WeakValueDictionary[str, _Opaque]"
 
 
 class _Opaque:
+    """A chunk loop the compiled code calls through ``memplan::opaque_call``, and its outputs' layouts."""
+
     def __init__(self, module: torch.nn.Module, outputs: Sequence[Any]) -> None:
         from memplan.passes._chunk.loops import ChunkLoop
 
@@ -111,6 +116,12 @@ def _opaque_fake(key: str, args: list[torch.Tensor | None]) -> list[torch.Tensor
             for shape, stride, dtype, where in _OPAQUE[key].outputs]
 
 
+_LIBRARY.impl("opaque_call", _opaque_call, "CompositeExplicitAutograd")
+torch.library.register_fake("memplan::opaque_call", _opaque_fake, lib=_LIBRARY)
+_OPAQUE = weakref.WeakValueDictionary()
+opaque_call = torch.ops.memplan.opaque_call.default
+
+
 # A dropout's draw on a CPU (``empty_like(x).bernoulli_(q)``) fills its tensor in memory order, so its
 # strides decide which element gets which number. Functionalized, it becomes ``bernoulli(t, q)``, which
 # Inductor runs as ``bernoulli_`` on a copy laid out as it likes (contiguous): another element order than
@@ -133,10 +144,6 @@ _LIBRARY.impl("draw_bernoulli", _draw_bernoulli, "CompositeExplicitAutograd")
 torch.library.register_fake("memplan::draw_bernoulli", _draw_bernoulli_fake, lib=_LIBRARY)
 draw_bernoulli = torch.ops.memplan.draw_bernoulli.default
 
-_LIBRARY.impl("opaque_call", _opaque_call, "CompositeExplicitAutograd")
-torch.library.register_fake("memplan::opaque_call", _opaque_fake, lib=_LIBRARY)
-_OPAQUE = weakref.WeakValueDictionary()
-opaque_call = torch.ops.memplan.opaque_call.default
 
 
 def refuse_pipeline(passes: Sequence[str]) -> None:
@@ -367,9 +374,8 @@ def _compile(module: torch.fx.GraphModule, args: Sequence[Any], name: str) -> Ca
                          tracing_mode="fake")(*examples)
         fakes = [n.meta.get("val") for n in traced.graph.nodes if n.op == "placeholder"]
         compiled = compile_fx_inner(traced, fakes, is_backward=name == "backward")
-    held = plain.memplan_opaque  # the loops the compiled code calls by key live as long as it
-
-    def run(arguments: list[Any]) -> Any:
-        return compiled(arguments) if held is not None else None
+    # the loops the compiled code calls by key (memplan::opaque_call) live as long as it
+    def run(arguments: list[Any], _loops: list[_Opaque] = plain.memplan_opaque) -> Any:
+        return compiled(arguments)
 
     return run

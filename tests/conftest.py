@@ -38,6 +38,15 @@ def passes_fail_loudly():
 
 
 @pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches emptied before and after the test: its compilations start from nothing and leave no
+    guards behind (``pytestmark = pytest.mark.usefixtures("fresh_dynamo")`` in a module that compiles)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def fake_tensor_log():
     """The records torch's fake tensor module logs during the test (its logger does not propagate to
     the root logger, so ``caplog`` misses them)."""

@@ -18,11 +18,7 @@ from memplan.measure import allocator_peak
 from memplan.steps import step_fn
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class Broken(nn.Module):

@@ -19,15 +19,9 @@ from memplan.inductor import PIPELINE
 from memplan.measure import allocator_peak
 from memplan.steps import step_fn
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
-                                reason="Inductor compiles C++ on a CPU: no C++ compiler here")
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = [pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                 reason="Inductor compiles C++ on a CPU: no C++ compiler here"),
+              pytest.mark.usefixtures("fresh_dynamo")]
 
 
 class TwoDropouts(nn.Module):
