@@ -13,7 +13,9 @@ Stages
     is CPU work, and peaks are counted per process, so neither disturbs the other's figures.
 (3) For each workload (``"memplan"`` tasks of ``cuda_check_worker.py``): eager's peak, unless memplan.analyze
     predicts it would not fit in the free memory; memplan's predicted and measured peak, its outputs and
-    gradients checked against eager (``verify=True``); the step times of both, timed in turn.
+    gradients checked against eager (``verify=True``); the step times of both, timed in turn; where the
+    captured graph is small, ``torch.compile`` with memplan's backend, and on CUDA the same with
+    ``inductor=True`` (memplan's plans compiled by Inductor), last in the task.
 (4) Offload (an ``"offload"`` task), after every workload's stage (3): a deep MLP built by the worker, whose
     saved activations can wait in pinned host memory while its matmuls run; memplan with the ``offload``
     pass off, on, and recomputation alone under a budget of the offload plan's peak, each checked against
@@ -398,6 +400,13 @@ def render_markdown(record: dict[str, Any]) -> str:
             ratio = (f", step time {w['backend_seconds'] / w['eager_seconds']:.2f}x eager's"
                      if w.get("backend_seconds") and w.get("eager_seconds") else "")
             said.append(f"torch.compile(backend=\"memplan\"): peak {format_bytes(w['backend_peak'])}{ratio}")
+        if w.get("inductor_backend_peak") is not None:
+            ratio = (f", step time {w['inductor_backend_seconds'] / w['inductor_backend_eager_seconds']:.2f}x eager's"
+                     if w.get("inductor_backend_seconds") and w.get("inductor_backend_eager_seconds") else "")
+            said.append(f"memplan.compile.backend(inductor=True): peak {format_bytes(w['inductor_backend_peak'])}"
+                        f"{ratio}, first call {w.get('inductor_backend_first_call_seconds') or 0:.1f} s")
+        if w.get("inductor_backend_note"):
+            said.append(f"memplan.compile.backend(inductor=True): {w['inductor_backend_note']}")
         if compile_.get("compile_seconds") is not None:
             said.append(f"torch.compile's first step took {compile_['compile_seconds']:.1f} s")
         if compile_.get("note"):

@@ -25,7 +25,9 @@ Tasks
 (5) ``torch.compile(model, backend="memplan")``, where the captured graph is small (:data:`BACKEND_MAX_NODES`):
     its first call and the peak of one step;
 (6) the step times of the variants that ran, as medians of blocks timed in turn
-    (:func:`memplan.bench.interleaved_medians`; CUDA is synchronised around each step).
+    (:func:`memplan.bench.interleaved_medians`; CUDA is synchronised around each step);
+(7) on CUDA, where (5) ran: ``torch.compile`` with ``memplan.compile.backend(inductor=True)`` (memplan's plans
+    compiled by Inductor), its first call, peak and step time beside eager's (:func:`_inductor_backend`).
 
 ``"offload"``: moving saved activations to host memory (the ``offload`` pass), on a deep MLP built here
 (:func:`offload_workload`: its activations outweigh its weights, and its matmuls leave the copies time to
@@ -378,6 +380,42 @@ def memplan_task(task: _Task) -> None:
         task.phase("timing")
         medians = interleaved_medians(list(timed.values()), spec["repeats"], device)
         task.update(**{f"{name}_seconds": seconds for name, seconds in zip(timed, medians)})
+
+    if device.type == "cuda" and "memplan" in timed and nodes is not None and nodes <= BACKEND_MAX_NODES:
+        _inductor_backend(task, workload, device, timed.get("eager"), spec["repeats"])
+
+
+def _inductor_backend(task: _Task, workload: examples.Workload, device: torch.device,
+                      eager: Callable[[], Any] | None, repeats: int) -> None:
+    """(7) ``torch.compile(model, backend=memplan.compile.backend(inductor=True))``: memplan's plan of each
+    graph compiled by Inductor. Last, after every other figure of the task is sent, and timed with eager
+    alone: its compilation may take what is left of the task's time. On CUDA only (on a CPU it compiles
+    C++ for minutes)."""
+    task.phase("inductor backend")
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(workload.model, backend=memplan.compile.backend(inductor=True))
+        step = step_fn(compiled, workload.inputs, train=True)
+        start = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()  # Dynamo traces, memplan plans each graph, Inductor compiles its forward and backward
+        task.update(inductor_backend_first_call_seconds=time.perf_counter() - start)
+        fallbacks = [str(w.message)[:200] for w in caught if issubclass(w.category, memplan.CompileFallbackWarning)]
+        if fallbacks:
+            task.update(inductor_backend_note="; ".join(fallbacks))
+        clear_grads(workload.model, workload.inputs)
+        task.update(inductor_backend_peak=allocator_peak(step, device=device))
+        medians = interleaved_medians([step] + ([eager] if eager is not None else []), repeats, device)
+        task.update(inductor_backend_seconds=medians[0],
+                    inductor_backend_eager_seconds=medians[1] if eager is not None else None)
+    except Exception as exc:  # noqa: BLE001 - a figure of the check, not the check's failure
+        clear_grads(workload.model, workload.inputs)
+        _release(device)
+        kind = "out of memory" if _is_out_of_memory(exc) else "raised"
+        task.update(inductor_backend_note=f"{kind}: {_first_line(exc, 200)}")
+    finally:
+        torch._dynamo.reset()
 
 
 def compile_task(task: _Task) -> None:

@@ -255,7 +255,9 @@ def test_the_markdown_names_the_device_and_says_what_did_not_run(tmp_path):
     record["device"].update(name="NVIDIA H100 80GB HBM3", torch="2.11.0+cu130", cuda="13.0")
     record["workloads"] = [
         _workload(name="maxsim", compile={"status": "ok", "peak": 50 * MiB, "seconds": 0.006, "eager_seconds": 0.010,
-                                          "compile_seconds": 31.5}),
+                                          "compile_seconds": 31.5},
+                  inductor_backend_peak=8 * MiB, inductor_backend_seconds=0.004, inductor_backend_eager_seconds=0.010,
+                  inductor_backend_first_call_seconds=12.25),
         _workload(name="chain_product", eager_peak=None, eager_fits=False, predicted=3 * 2**40,
                   eager_note="does not fit (predicted 3.00 TiB, 70.00 GiB free)", eager_seconds=None,
                   compile={"status": "skipped", "note": "did not compile within 60 s"}),
@@ -264,6 +266,7 @@ def test_the_markdown_names_the_device_and_says_what_did_not_run(tmp_path):
     assert markdown.startswith("### CUDA check on NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130, CUDA 13.0), `full` sizes")
     assert ("| maxsim | 100.00 MiB | 100.00 MiB | 1.000 | 10.00 MiB | 10.00 MiB | 1.000 | 10.00x | 10.0 ms | 1.20x "
             "| 50.00 MiB | 0.60x | ok |") in markdown
+    assert "memplan.compile.backend(inductor=True): peak 8.00 MiB, step time 0.40x eager's, first call 12.2 s" in markdown
     assert "| chain_product | does not fit (predicted 3.00 TiB) | 3.00 TiB | - |" in markdown
     assert ("- chain_product: verify: match; eager does not fit (predicted 3.00 TiB, 70.00 GiB free); torch.compile "
             "skipped: did not compile within 60 s.") in markdown
