@@ -161,10 +161,17 @@ def compile_emitted(emitted: Emitted) -> Emitted:
     of their arguments (as the planned graph records them). Raises :class:`InductorFailed` where Inductor
     cannot compile one of them: memplan's own backward reads the storages its own forward saved (an
     in-place unit remade is viewed with ``as_strided`` over its storage), so the two go together."""
-    plan = _CompiledPlan(emitted)
-    return dataclasses.replace(emitted, run_forward=plan.forward,
-                               run_backward=plan.backward if emitted.run_backward is not None else None,
-                               stages=(), start_staged=None)
+    forward = _Compiled(lambda: emitted.forward, "forward")
+    backward = _Compiled(lambda: emitted.backward, "backward") if emitted.run_backward is not None else None
+    for part in (forward, backward):
+        if part is None:
+            continue
+        try:
+            part.compile(_fake_arguments(part.module()))
+        except Exception as exc:  # noqa: BLE001 - any failure of the compiler
+            text = str(exc).strip()
+            raise InductorFailed(part.name, f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:300]) from exc
+    return dataclasses.replace(emitted, run_forward=forward, run_backward=backward, stages=(), start_staged=None)
 
 
 class InductorFailed(Exception):
@@ -173,27 +180,6 @@ class InductorFailed(Exception):
     def __init__(self, module: str, reason: str) -> None:
         super().__init__(f"Inductor could not compile the plan's {module} ({reason})")
         self.module, self.reason = module, reason
-
-
-class _CompiledPlan:
-    """A plan's forward and backward compiled by Inductor (see :func:`compile_emitted`)."""
-
-    def __init__(self, emitted: Emitted) -> None:
-        self.forward = _Compiled(lambda: emitted.forward, "forward")
-        self.backward = _Compiled(lambda: emitted.backward, "backward") if emitted.run_backward is not None else None
-        for part in (self.forward, self.backward):
-            if part is None:
-                continue
-            module = part.name
-            try:
-                part.compile(_fake_arguments(part.module()))
-            except Exception as exc:  # noqa: BLE001 - any failure of the compiler
-                text = str(exc).strip()
-                raise InductorFailed(module, f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:300]) from exc
-
-    @property
-    def compile_seconds(self) -> float:
-        return sum(part.compile_seconds for part in (self.forward, self.backward) if part is not None)
 
 
 class _Compiled:
