@@ -468,7 +468,8 @@ class OptimizedModule(nn.Module):
         try:
             return self._planned(args, kwargs, passes, inductor=True)
         except inductor.InductorFailed as failed:
-            # memplan's own code, as planned without inductor=True (its default pipeline for the default)
+            # memplan's own code, as planned without inductor=True (its default pipeline for the default,
+            # without the options inductor=True sets)
             ordinary = DEFAULT_PIPELINE if passes == inductor.PIPELINE else passes
             warnings.warn(CompileFallbackWarning(
                 f"inductor=True: {failed}; this signature runs as memplan's own code, op by op, planned with "
@@ -485,7 +486,12 @@ class OptimizedModule(nn.Module):
         eager_peak = captured.get(PeakSimulation).peak
         # Passes edit the graph they are given; keep the captured one intact for reports. The copy has the
         # captured graph's nodes and fake values, so its tensor facts are the captured ones.
-        result = PassManager(passes, self.policy, options=self.options, rates=self.rates).run(
+        options = self.options
+        if inductor:
+            from memplan.inductor import OPTIONS
+
+            options = {**OPTIONS, **options}  # the user's own settings win
+        result = PassManager(passes, self.policy, options=options, rates=self.rates).run(
             copy_graph(graph), known={Tensors: captured.get(Tensors)}, pristine=graph)
         # The pipeline hands over the analyses of its last graph (computing them again took seconds).
         analyses = result.graph_analyses()
@@ -858,16 +864,14 @@ def optimize(
     from memplan.pipeline import parse_pipeline
 
     refuse_compiled(model, "memplan.optimize(model)")
-    options = dict(options or {})
     if inductor:
         from memplan import inductor as compiled
 
         names = parse_pipeline(compiled.PIPELINE if passes is None else passes)
         compiled.refuse_pipeline(names)
-        options = {**compiled.OPTIONS, **options}
     else:
         names = parse_pipeline(DEFAULT_PIPELINE if passes is None else passes)
-    check_options(options)
+    check_options(options or {})
     return OptimizedModule(
         model, policy=Policy(budget=budget, max_overhead=max_overhead), passes=names, fallback=fallback,
         options=options, max_plans=max_plans, verify=verify, rates=rates, device=device, inductor=inductor,

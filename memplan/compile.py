@@ -57,13 +57,13 @@ class MemplanBackend:
         from memplan.api import optimize
         from memplan.pipeline import check_options, parse_pipeline
 
-        if passes is not None:
-            parse_pipeline(passes)  # a bad pipeline is refused here, not at the first compiled call
-        check_options(dict(options or {}))
-        if inductor and passes is not None:
-            from memplan.inductor import refuse_pipeline
+        if passes is not None:  # a bad pipeline is refused here, not at the first compiled call
+            names = parse_pipeline(passes)
+            if inductor:
+                from memplan.inductor import refuse_pipeline
 
-            refuse_pipeline(parse_pipeline(passes))
+                refuse_pipeline(names)
+        check_options(dict(options or {}))
         self._optimize = optimize
         self.settings = {"budget": budget, "max_overhead": max_overhead, "passes": passes,
                          "options": dict(options or {}), "verify": verify, "rates": rates, "inductor": inductor}

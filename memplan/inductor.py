@@ -267,9 +267,13 @@ def _plain(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
     held: list[_Opaque] = []
     for node in list(graph.nodes):
         if node.op == "call_module":
-            opaque = _Opaque(module.get_submodule(node.target), node.meta["val"])
-            key = f"{node.target}@{id(opaque)}"
-            _OPAQUE[key] = opaque
+            # one per loop: compiling the module again (for another layout of its arguments) keeps the
+            # loop's bodies compiled so far
+            loop = module.get_submodule(node.target)
+            key = f"{node.target}@{id(loop)}"
+            opaque = _OPAQUE.get(key)
+            if opaque is None or opaque.module is not loop:
+                opaque = _OPAQUE[key] = _Opaque(loop, node.meta["val"])
             held.append(opaque)
             with graph.inserting_after(node):
                 call = graph.call_function(opaque_call, (key, list(node.args)))
