@@ -519,9 +519,15 @@ def capture(
     train: bool | None = None,
     seed: str = "sum",
     target_device: torch.device | str | None = None,
+    _real_constants: bool = True,
     **kwargs: Any,
 ) -> CapturedGraph:
     """Trace ``model(*args, **kwargs)`` into a :class:`CapturedGraph` over fake tensors.
+
+    Tensors the model makes from no input's values (``torch.arange(n)``, masks built from it) hold their
+    real values while the model's code runs, so that code branching on them goes as in eager; where the
+    model later writes input-dependent values into one, or the trace fails after one was made, the model is
+    traced again with every tensor fake (``_real_constants=False``).
 
     Parameters
     ----------
@@ -693,7 +699,7 @@ def capture(
     # (once traced, then again after the placeholders are renamed).
     recorder = _Recorder(stop=traced_body.__code__, module_names=_module_names(model))
     target = resolve_target(target_device)
-    tracer = Tracer(new_fake_mode(), observer=watching(target, recorder))
+    tracer = Tracer(new_fake_mode(), observer=watching(target, recorder), real_constants=_real_constants)
     recorder.graph = tracer.graph
     TRACING.acquire()  # released below, after the collector's state is put back
     gc_was_enabled = gc.isenabled()
@@ -720,9 +726,13 @@ def capture(
             del flat
             gm = tracer.graph_module("captured")
     except CaptureError:
-        raise
+        if not tracer.reals_made:
+            raise
+        again = True
     except Exception as exc:  # noqa: BLE001 - re-raised as a domain error naming the user's line
-        if _raised_by_user_code(exc):
+        if tracer.reals_made:
+            again = True
+        elif _raised_by_user_code(exc):
             # the model's own `raise` (a check of its inputs, a hook that raises): eager raises it too, as it is
             exc.add_note(
                 "memplan: raised by the model's code while memplan traced it to plan this input signature, over "
@@ -731,11 +741,17 @@ def capture(
                 "type(x) is torch.Tensor): test shapes and dtypes instead, or see memplan's troubleshooting guide."
             )
             raise
-        raise _capture_error(model, exc, tracer.graph, recorder.sources, target) from exc
+        else:
+            raise _capture_error(model, exc, tracer.graph, recorder.sources, target) from exc
+    else:
+        again = False
     finally:
         if gc_was_enabled:
             gc.enable()
         TRACING.release()
+    if again:  # with every tensor fake, as make_fx traces (see above)
+        return capture(model, *args, train=train, seed=seed, target_device=target_device, _real_constants=False,
+                       **kwargs)
 
     _reshapes_of_broadcast(gm, out_spec_box.get("broadcast", set()))
     autocast_in_backward = _autocast_in_backward(gm, boundary.get("last_forward"), recorder.sources) if train else None

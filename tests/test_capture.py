@@ -15,7 +15,7 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import memplan
-from memplan._capture.tracer import Tracer, _eager_attention_path, new_fake_mode
+from memplan._capture.tracer import RealConstantWritten, Tracer, _eager_attention_path, new_fake_mode
 from memplan.analysis.peak import step_margin
 from memplan.api import optimize
 from memplan.capture import Phase, capture
@@ -441,9 +441,9 @@ def test_a_gradient_relaid_only_where_one_tangent_arrives_dense_is_not_copied():
 # the tracer: make_fx's graph, made from a cache on repeated steps
 
 
-def _trace(fn, *inputs):
+def _trace(fn, *inputs, real_constants=True):
     """``fn(*inputs)`` traced by memplan's tracer: its graph module and the tracer."""
-    tracer = Tracer(new_fake_mode())
+    tracer = Tracer(new_fake_mode(), real_constants=real_constants)
     with fx_traceback.preserve_node_meta():
         fakes = tracer.placeholders(inputs)
         with tracer:
@@ -552,8 +552,50 @@ def test_tracer_builds_the_graph_make_fx_builds(name, case):
     fn, inputs = case
     with _eager_attention_path():  # the tracer answers nn.MultiheadAttention as eager does; make_fx is told to
         expected = _listing(_make_fx(fn, *inputs))
-    traced, _ = _trace(fn, *inputs)
+    # make_fx computes constants of one element only (the tracer's real constants: the test below)
+    traced, _ = _trace(fn, *inputs, real_constants=False)
     assert _listing(traced) == expected
+
+
+def test_values_made_from_no_input_are_real_while_traced():
+    # torch.arange(n) and what is computed from it alone hold eager's values while the code runs, so a branch
+    # on them (a library checking that positions are 0..n-1) goes as in eager; the graph still computes them
+    seen = {}
+
+    def positions(x):
+        pos = torch.arange(x.shape[0])
+        seen["types"] = (type(pos), type((pos + 1).cumsum(0)), type(x * pos))
+        if (torch.diff(pos) == 1).all():
+            return [x * pos + torch.tensor([1.0, 2.0, 3.0]).sum().item()]
+        return [x]
+
+    traced, _ = _trace(positions, torch.randn(3))
+    assert seen["types"] == (torch.Tensor, torch.Tensor, FakeTensor)
+    aten = torch.ops.aten
+    targets = [n.target for n in traced.graph.nodes if n.op == "call_function"]
+    assert aten.arange.default in targets and aten.all.default in targets
+    assert aten._local_scalar_dense.default not in targets  # the sum's value is known: 6.0
+    add = [n for n in traced.graph.nodes if n.target == aten.add.Tensor][-1]
+    assert add.args[1] == 6.0
+    x = torch.randn(3)
+    assert torch.equal(traced(x)[0], x * torch.arange(3) + 6.0)
+
+
+def test_a_constant_later_written_with_input_values_is_traced_again_without_real_constants():
+    # zeros filled from the input: its values then depend on the input, which a real tensor cannot follow
+    def filled(x):
+        out = torch.zeros(3)
+        out[1:] = x[:2] * 2
+        return out * x
+
+    class Filled(nn.Module):
+        def forward(self, x):
+            return filled(x)
+
+    with pytest.raises(RealConstantWritten):
+        _trace(lambda x: [filled(x)], torch.randn(3))
+    x = torch.randn(3, requires_grad=True)
+    assert_equivalent(Filled(), memplan.optimize(Filled(), passes=[]), x)
 
 
 def test_repeated_steps_of_a_loop_are_made_from_the_cache():

@@ -92,9 +92,20 @@ aten = torch.ops.aten
 _DEVICE_QUERY = torch.ops.prim.device.default
 # make_fx computes a constant's result for real only when it has at most this many elements.
 _CONSTANT_NUMEL_LIMIT = 1
-# Where a traced fake tensor keeps ``(tracer, node, constant)``: the node that made it and, for a constant
-# (from ``torch.tensor(...)``), its real value.
+# Where a traced tensor keeps ``(tracer, node, constant, twin)``: the node that made it; for a constant (from
+# ``torch.tensor(...)``), its real value, or ``_REAL`` for a real constant (the tensor is its own value); and
+# for a real constant its fake twin, the fake tensor the fake mode computes on and the node's ``val`` aliases.
 _TRACED = "_memplan_traced"
+_REAL = "real"
+# A tensor made from no input's values (``torch.arange(n)``, a mask built from it) is a real constant when its
+# storage has at most this many bytes: see Tracer._slow.
+_REAL_CONSTANT_BYTES = 1 << 18
+# Factories of uninitialized memory: no code branches on their values, and they are made to be written into,
+# often with the inputs' values (which a real constant cannot hold), so they stay fake.
+_UNINITIALIZED = frozenset({
+    aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default, aten.new_empty.default,
+    aten.new_empty_strided.default, aten.empty_permuted.default,
+})
 _SCALARS = frozenset(
     {int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format}
 )
@@ -102,6 +113,11 @@ _UNCACHEABLE = "uncacheable"
 _SYMBOLS = (torch.SymInt, torch.SymFloat, torch.SymBool)
 _PROXY = torch._C._TorchDispatchModeKey.PROXY
 _HELD_STORAGE = STORAGE_OF_INPUT | REDUCED_IN_RESULT  # results whose storage the real kernel makes larger
+
+
+class RealConstantWritten(RuntimeError):
+    """An op wrote values that depend on the inputs into a real constant (see Tracer._slow): the tensor the
+    traced code holds cannot carry them. Capture traces again without real constants."""
 
 
 class _Uncacheable(Exception):
@@ -164,7 +180,7 @@ def quiet_meta_failures() -> Iterator[None]:
 class _Op:
     """What the tracer needs to know about an operator, worked out once."""
 
-    __slots__ = ("name", "cacheable", "decomposable", "absolute", "view")
+    __slots__ = ("name", "cacheable", "decomposable", "absolute", "view", "writes")
 
     def __init__(self, func: Any, graph: torch.fx.Graph):
         overload = isinstance(func, torch._ops.OpOverload)
@@ -188,6 +204,11 @@ class _Op:
         self.view = self.cacheable and func.is_view and not any(
             isinstance(arg.type, torch.ListType) and "Tensor" in str(arg.type) for arg in func._schema.arguments
         )
+        # The arguments the op writes (in-place and out= ops), as (position, keyword).
+        self.writes = tuple(
+            (i, arg.name) for i, arg in enumerate(func._schema.arguments)
+            if arg.alias_info is not None and arg.alias_info.is_write
+        ) if overload else ()
 
 
 def create_node(graph: torch.fx.Graph, op: str, target: Any, args: tuple, kwargs: dict | None = None,
@@ -256,9 +277,13 @@ class Tracer(TorchDispatchMode):
     2
     """
 
-    def __init__(self, fake_mode: FakeTensorMode, observer: Callable[[torch.fx.Node, Any], None] | None = None):
+    def __init__(self, fake_mode: FakeTensorMode, observer: Callable[[torch.fx.Node, Any], None] | None = None,
+                 real_constants: bool = True):
         super().__init__()
         self.fake_mode = fake_mode
+        self.real_constants = real_constants
+        #: Real constants made so far (see :meth:`_slow`).
+        self.reals_made = 0
         self.graph = torch.fx.Graph()
         self.root = torch.nn.Module()
         self.observer = observer
@@ -405,7 +430,7 @@ class Tracer(TorchDispatchMode):
         if self._depth == 0:
             self._formulas.made(func, out)
         if self._depth == 0 and self.observer is not None:
-            self.observer(last, out)
+            self.observer(last, self._fake_arg(out) if self.reals_made else out)
         return out
 
     def _dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -413,7 +438,7 @@ class Tracer(TorchDispatchMode):
         if op is None:
             op = self._ops[func] = _Op(func, self.graph)
         key = None
-        if op.cacheable:
+        if op.cacheable and not (self.real_constants and not _has_fake(args) and not _has_fake(kwargs.values())):
             # Step 3: the key; Step 4: a hit makes the outputs from the recipe.
             key = self._cache_key(func, op, args, kwargs)
             recipe = self._cache.get(key) if key is not None else None
@@ -494,9 +519,15 @@ class Tracer(TorchDispatchMode):
     def _slow(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """Run ``func`` under the fake mode and record it, following make_fx's ``proxy_call``."""
         tensors = _tensors_in((args, kwargs))
-        constants = [getattr(t, _TRACED, (None, None, None))[2] for t in tensors if self._traces(t)]
+        constants = [self._constant(t) for t in tensors if self._traces(t)]
         all_constant = all(c is not None for c in constants)
         tags = func.tags if isinstance(func, torch._ops.OpOverload) else ()
+        op = self._ops.get(func) or _Op(func, self.graph)
+        real = self.real_constants and self._may_be_real(func, op, tags, tensors)
+        if self.reals_made and not real:
+            for written in self._written(op, args, kwargs):
+                if type(written) is not FakeTensor and self._constant(written) is written:
+                    raise RealConstantWritten(f"{func} writes values that depend on the inputs into a constant")
         if torch.Tag.data_dependent_output in tags:
             if all_constant:
                 # e.g. torch.tensor(2.0).item(): the value is known, and no node is made.
@@ -510,14 +541,14 @@ class Tracer(TorchDispatchMode):
             # torch.tensor(...) lifts a fresh real tensor; the graph copies the constant, as make_fx's does.
             func = aten.lift_fresh_copy.default
             tags = func.tags
-        op = self._ops.get(func) or _Op(func, self.graph)
+            op = self._ops.get(func) or _Op(func, self.graph)
         node = self._node("call_function", func, self._node_arg(args), self._node_arg(kwargs), op.name)
         self.fake_runs += 1
         if func in SIZED_BY_RUNNING:
             out = self._sized_as_run(func, args, kwargs, None)
         else:
             with self.fake_mode:
-                out = func(*args, **kwargs)
+                out = func(*self._fake_arg(args), **self._fake_arg(kwargs)) if self.reals_made else func(*args, **kwargs)
         for tensor in _tensors_in(out):
             if tensor.layout != torch.strided:
                 raise NotDenseError(f"{func} makes a {tensor.layout} tensor")
@@ -536,6 +567,12 @@ class Tracer(TorchDispatchMode):
         if func in GRAD_MODE_OPS:
             out = self._sized_as_run(func, args, kwargs, out)
             node.meta["grad_enabled"] = torch.is_grad_enabled()
+        if real:
+            made = self._real(func, op, args, kwargs, out)
+            if made is not None:
+                self.reals_made += 1
+                self._track(made, node, _REAL, self._val(out), out)
+                return made
         constant = None
         if func is aten.lift_fresh_copy.default and out.numel() <= _CONSTANT_NUMEL_LIMIT:
             constant = args[0].clone()
@@ -715,10 +752,10 @@ class Tracer(TorchDispatchMode):
             node.meta["seq_nr"] = torch.autograd._get_sequence_nr() - 1
         return node
 
-    def _track(self, value: Any, node: torch.fx.Node, constant: Any, vals: Any = None) -> None:
+    def _track(self, value: Any, node: torch.fx.Node, constant: Any, vals: Any = None, twin: Any = None) -> None:
         """Make ``node`` the source of the tensors in ``value`` and record its ``val`` (getitem nodes for sequences)."""
         if isinstance(value, torch.Tensor):
-            setattr(value, _TRACED, (self, node, constant))
+            setattr(value, _TRACED, (self, node, constant, twin))
             node.meta["val"] = vals if vals is not None else self._alias(value)
         elif isinstance(value, _SYMBOLS):
             # A data-dependent scalar (``x.sum().item()``): later ops that take it take the node.
@@ -731,8 +768,9 @@ class Tracer(TorchDispatchMode):
                 self._track(
                     item,
                     child,
-                    constant[i] if constant is not None else None,
+                    constant if constant is _REAL else constant[i] if constant is not None else None,
                     vals[i] if vals is not None else None,
+                    twin[i] if twin is not None else None,
                 )
 
     def _val(self, value: Any) -> Any:
@@ -783,13 +821,89 @@ class Tracer(TorchDispatchMode):
     def _constant_arg(self, value: Any) -> Any:
         """``value`` with traced constants replaced by their real values."""
         if isinstance(value, torch.Tensor):
-            traced = getattr(value, _TRACED, None)
-            return traced[2] if traced is not None and traced[0] is self else value
+            return self._constant(value) if self._traces(value) else value
         if type(value) in (list, tuple):
             return type(value)(self._constant_arg(item) for item in value)
         if type(value) is dict:
             return {k: self._constant_arg(v) for k, v in value.items()}
         return value
+
+    def _constant(self, value: torch.Tensor) -> Any:
+        """The real value of a traced constant (the tensor itself for a real constant); None for another tensor."""
+        traced = getattr(value, _TRACED, None)
+        if traced is None or traced[0] is not self:
+            return None
+        return value if traced[2] is _REAL else traced[2]
+
+    def _fake_arg(self, value: Any) -> Any:
+        """``value`` with each real constant replaced by its fake twin."""
+        kind = type(value)
+        if kind is FakeTensor:
+            return value
+        if isinstance(value, torch.Tensor):
+            traced = getattr(value, _TRACED, None)
+            return traced[3] if traced is not None and traced[0] is self and traced[2] is _REAL else value
+        if kind is list or kind is tuple:
+            return kind(self._fake_arg(item) for item in value)
+        if kind is dict:
+            return {k: self._fake_arg(v) for k, v in value.items()}
+        return value
+
+    @staticmethod
+    def _written(op: _Op, args: tuple, kwargs: dict) -> list[Any]:
+        """The tensors ``op`` writes among its arguments."""
+        return [args[i] if i < len(args) else kwargs.get(name) for i, name in op.writes]
+
+    def _may_be_real(self, func: Any, op: _Op, tags: Any, tensors: list[torch.Tensor]) -> bool:
+        """Whether the call reads no input's values, so that its results can be real constants.
+
+        Its tensor arguments must all be real constants (none, for a factory; the fresh tensor
+        ``torch.tensor(...)`` lifts), nothing it reads may require grad, and it must not draw random numbers.
+        """
+        if not isinstance(func, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in tags:
+            return False
+        if func in SIZED_BY_RUNNING or func in GRAD_MODE_OPS or func in _HELD_STORAGE or func in _UNINITIALIZED:
+            return False
+        if func is aten.lift_fresh_copy.default or func is aten.lift_fresh.default:
+            return len(tensors) == 1 and type(tensors[0]) is not FakeTensor and not self._traces(tensors[0])
+        return all(
+            type(t) is not FakeTensor and not t.requires_grad and self._constant(t) is t for t in tensors
+        )
+
+    def _real(self, func: Any, op: _Op, args: tuple, kwargs: dict, out: Any) -> Any:
+        """The call's results computed for real, if they make real constants: every result a strided CPU tensor
+        of at most :data:`_REAL_CONSTANT_BYTES` whose real layout is the fake one. None otherwise.
+
+        A real constant is what the traced code holds in place of a fake tensor, so that code that reads
+        its values (a branch on ``(positions == 0).all()``, a library asking whether it is traced) does what
+        eager does; its node is recorded as any other, so a plan computes it at every call as eager does.
+        Its values depend on no input, only on the signature's shapes and the code's constants, so what the
+        trace decides from them holds for every call of the signature.
+        """
+        fakes = _tensors_in(out)
+        if not fakes or (type(out) is not FakeTensor and not (type(out) in (list, tuple) and len(out) == len(fakes))):
+            return self._escaped(func) if op.writes else None
+        for fake in fakes:
+            if (type(fake) is not FakeTensor or fake.fake_device.type != "cpu" or fake.layout != torch.strided
+                    or fake.untyped_storage().nbytes() > _REAL_CONSTANT_BYTES):
+                if op.writes and self._written(op, args, kwargs):
+                    return self._escaped(func)
+                return None
+        made = func(*self._constant_arg(args), **self._constant_arg(kwargs))
+        reals = _tensors_in(made)
+        if len(reals) != len(fakes) or any(
+            r.shape != f.shape or r.stride() != f.stride() or r.dtype != f.dtype or r.device.type != "cpu"
+            for r, f in zip(reals, fakes)
+        ):
+            if op.writes:
+                return self._escaped(func)
+            return None
+        return made
+
+    def _escaped(self, func: Any) -> Any:
+        if self.reals_made:
+            raise RealConstantWritten(f"{func} wrote a constant in a way its fake twin cannot follow")
+        return None
 
     def _constant_node(self, tensor: torch.Tensor) -> torch.fx.Node:
         """A ``get_attr`` node for a tensor the trace did not make, stored on :attr:`root` as fx stores it."""
@@ -888,6 +1002,15 @@ def _proxy_mode_unset() -> Iterator[None]:
     finally:
         if dormant is not None:
             torch._C._set_dispatch_mode(dormant)
+
+
+def _has_fake(values: Any) -> bool:
+    """Whether a fake tensor is among ``values`` or in a list or tuple among them."""
+    for value in values:
+        kind = type(value)
+        if kind is FakeTensor or ((kind is list or kind is tuple) and _has_fake(value)):
+            return True
+    return False
 
 
 def _tensors_in(value: Any) -> list[torch.Tensor]:
