@@ -321,17 +321,9 @@ class _UnderAutocast(nn.Module):
             return self.module(*args)
 
 
-# LLaMA with torch's fused attention (HF's default "sdpa"): under bfloat16 autocast the plan's gradients differ
-# from eager's by bfloat16 rounding (0.4-0.7% of a weight's largest gradient), even with an empty pipeline.
-# The cause: memplan traces over fake tensors, and Hugging Face's mask code takes its tracing branch there.
-# `masking_utils.find_packed_sequence_indices` cannot read the position ids of a fake tensor (`is_tracing`), so
-# it returns a packed-sequence mask, which turns off the `is_causal` shortcut: the traced program runs
-# `scaled_dot_product_attention` with an explicit (batch, 1, L, L) bool mask on keys and values copied per
-# head (`repeat_kv`), where eager runs it with `is_causal=True` and `enable_gqa=True`. The same values up to
-# rounding, by other kernels. Mistral (sliding window) builds its mask in both and matches. Open: following
-# eager's branch needs the traced program to depend on values the trace does not have.
-_LLAMA_UNDER_AUTOCAST = pytest.mark.xfail(
-    strict=True, reason="the trace takes Hugging Face's tracing branch for the causal mask; bfloat16 rounding differs")
+# LLaMA with torch's fused attention (Hugging Face's default) checks that its position ids are 0..n-1 unless
+# they are fake: memplan's trace holds them real (values made from no input), so the plan runs eager's
+# is_causal attention, where over fake ids it ran a packed-sequence mask and differed by bfloat16 rounding.
 AUTOCAST = [gpt2, bert, llama, mistral, vit, resnet, convnext, lstm,
             transformer_encoder, conv2d_mobile]
 
