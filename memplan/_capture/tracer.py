@@ -25,6 +25,17 @@ What the tracer does for each op
 (5) One fx node per op, with make_fx's name, ``seq_nr`` and ``val`` (a fake alias of the output that autograd
     never sees), then one ``getitem`` node per element of a list or tuple output.
 
+Real constants
+--------------
+A call that reads no input's values (a factory such as ``arange``, ``torch.tensor(...)``, then any op whose
+tensor arguments are all real constants), draws nothing, and makes small strided CPU tensors is computed for
+real too, and the traced code gets the real tensor (its fake twin, the fake mode's output, is what the node's
+``val`` aliases and what later fake runs read). Code that reads its values, as a library checking that its
+position ids are ``0..n-1`` unless they are fake, then does what it does in eager. Its values depend only on
+the signature's shapes and the code's constants, so the decision holds for every call of the signature. A
+write of input-dependent values into a real constant raises :class:`RealConstantWritten` (capture then
+traces again with ``real_constants=False``).
+
 The recipe is a function of the key because an aten op's output layout, and which argument its output aliases,
 depend only on its arguments' layouts, and a view's offset moves with its base's. Ops for which that does not
 hold (data-dependent outputs, dynamic output shapes, in-place changes of a tensor's layout, custom ops, ops with
