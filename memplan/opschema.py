@@ -11,7 +11,8 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["CONTIGUOUS_RESULTS", "GRAD_MODE_OPS", "SIZED_BY_RUNNING", "REDUCED_IN_RESULT", "STORAGE_OF_INPUT", "mutated_args", "result_storage_numel", "is_pure_view", "is_random", "is_view_op"]
+__all__ = ["CONTIGUOUS_RESULTS", "GRAD_MODE_OPS", "SIZED_BY_RUNNING", "REDUCED_IN_RESULT", "STATISTICS_IN_PARAMETER_DTYPE",
+           "GRADIENT_IN_INPUT_DTYPE", "STORAGE_OF_INPUT", "mutated_args", "statistics_dtype", "result_storage_numel", "is_pure_view", "is_random", "is_view_op"]
 
 
 def _defaults(*names: str) -> frozenset:
@@ -42,6 +43,57 @@ SIZED_BY_RUNNING = frozenset({torch.ops.aten._ctc_loss.default})
 # traced on the fake layout would take views the real result does not allow; capture gives their
 # results the real layout.
 CONTIGUOUS_RESULTS = _defaults("mse_loss_backward", "smooth_l1_loss_backward", "huber_loss_backward")
+
+
+# Normalisations whose CPU kernels, given a bfloat16 or half input with float32 parameters (what autocast
+# leaves a layer norm of a bfloat16 activation with: float32 weights), return the statistics they save for
+# the backward (mean and inverse deviation, outputs 1 and 2) in float32, where the fake kernels say the
+# input's dtype: a ConvNeXt under bfloat16 autocast held 512 bytes more per layer norm than predicted.
+# Operator -> the positions of its parameters (weight, bias, running statistics); capture gives those
+# results the parameters' dtype (see :func:`statistics_dtype`). CUDA kernels are left as the fake kernel
+# says (not measured).
+STATISTICS_IN_PARAMETER_DTYPE = {
+    op: positions for name, positions in (
+        ("native_layer_norm", (2, 3)), ("native_group_norm", (1, 2)), ("native_batch_norm", (1, 2, 3, 4)),
+        ("_native_batch_norm_legit", (1, 2, 3, 4)), ("_native_batch_norm_legit_functional", (1, 2, 3, 4)),
+        ("_native_batch_norm_legit_no_training", (1, 2, 3, 4)),
+    ) for op in _defaults(name)
+}
+_REDUCED_FLOATS = (torch.bfloat16, torch.float16)
+# Their backwards whose fake kernels then give the input's gradient (result 0) the float32 statistics' dtype,
+# where the CPU kernel gives it the input's (argument 1): operator -> the statistics' position.
+GRADIENT_IN_INPUT_DTYPE = {op: 2 for op in _defaults("native_group_norm_backward")}
+
+
+def statistics_dtype(func: Any, args: tuple, device: torch.device) -> torch.dtype | None:
+    """The dtype the CPU kernel of a :data:`STATISTICS_IN_PARAMETER_DTYPE` normalisation gives the
+    statistics it saves, or of a :data:`GRADIENT_IN_INPUT_DTYPE` backward the input's gradient, where the
+    fake kernel gives another; None where they agree.
+
+    Examples
+    --------
+    >>> import torch
+    >>> x, w = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(8)
+    >>> statistics_dtype(torch.ops.aten.native_layer_norm.default, (x, [8], w, w, 1e-5), torch.device("cpu"))
+    torch.float32
+    >>> torch.ops.aten.native_layer_norm(x, [8], w, w, 1e-5)[1].dtype
+    torch.float32
+    >>> statistics_dtype(torch.ops.aten.native_layer_norm.default, (x, [8], None, None, 1e-5), torch.device("cpu"))
+    """
+    if func in GRADIENT_IN_INPUT_DTYPE:
+        if device.type != "cpu" or len(args) < 3 or not isinstance(args[1], torch.Tensor):
+            return None
+        stats = args[GRADIENT_IN_INPUT_DTYPE[func]]
+        reduced = args[1].dtype in _REDUCED_FLOATS and isinstance(stats, torch.Tensor) and stats.dtype != args[1].dtype
+        return args[1].dtype if reduced else None
+    positions = STATISTICS_IN_PARAMETER_DTYPE.get(func)
+    if positions is None or device.type != "cpu" or not args or not isinstance(args[0], torch.Tensor):
+        return None
+    if args[0].dtype not in _REDUCED_FLOATS:
+        return None
+    params = [args[i] for i in positions if i < len(args) and isinstance(args[i], torch.Tensor)]
+    mixed = next((p.dtype for p in params if p.dtype != args[0].dtype), None)
+    return mixed
 
 
 # Operators whose kernels make their result in storage allocated like their first argument, then resized

@@ -1072,6 +1072,27 @@ def test_analyze_lets_the_casts_autocast_caches_go_when_the_forward_ends():
     assert predicted == eager
 
 
+@pytest.mark.parametrize("norm", ["layer", "group", "batch"])
+def test_a_normalisation_of_a_bfloat16_activation_saves_its_statistics_as_its_kernel_does(norm):
+    # with float32 parameters, the CPU kernels return the mean and inverse deviation they save in float32,
+    # where the fake kernels say bfloat16: analyze() and every plan were short by half of those bytes
+    torch.manual_seed(0)
+    layer = {"layer": nn.LayerNorm(64), "group": nn.GroupNorm(4, 64), "batch": nn.BatchNorm1d(64)}[norm]
+    model = nn.Sequential(nn.Linear(32, 64), layer, nn.ReLU(), nn.Linear(64, 8))
+    x = torch.randn(256, 32)
+    eager = memplan.measure(step_fn(_UnderAutocast(model), (x,), train=True)).peak
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        analysis = memplan.analyze(model, x)
+    normed = next(n for n in analysis.graph.gm.graph.nodes if n.op == "call_function" and "norm" in str(n.target))
+    assert [v.dtype for v in normed.meta["val"][:3]] == [torch.bfloat16, torch.float32, torch.float32]
+    assert analysis.peak == eager
+    opt = memplan.optimize(model)
+    assert_equivalent(_UnderAutocast(model), _UnderAutocast(opt), x)
+    step = step_fn(_UnderAutocast(opt), (x,), train=True)
+    step()
+    assert opt.plan.planned_peak + step_margin(opt.plan.graph) == memplan.measure(step).peak
+
+
 class _DropoutAttention(nn.Module):
     """Self-attention through ``scaled_dot_product_attention`` with dropout, heads as a batch dimension."""
 

@@ -85,8 +85,10 @@ from torch.utils._python_dispatch import (
 
 from memplan._capture.formulas import EagerFormulas
 from memplan.opschema import (
-    CONTIGUOUS_RESULTS, GRAD_MODE_OPS, REDUCED_IN_RESULT, SIZED_BY_RUNNING, STORAGE_OF_INPUT, result_storage_numel,
+    CONTIGUOUS_RESULTS, GRAD_MODE_OPS, GRADIENT_IN_INPUT_DTYPE, REDUCED_IN_RESULT, SIZED_BY_RUNNING,
+    STATISTICS_IN_PARAMETER_DTYPE, STORAGE_OF_INPUT, result_storage_numel, statistics_dtype,
 )
+_KERNEL_DTYPES = STATISTICS_IN_PARAMETER_DTYPE.keys() | GRADIENT_IN_INPUT_DTYPE.keys()
 
 __all__ = ["NotDenseError", "Tracer", "new_fake_mode", "quiet_meta_failures"]
 
@@ -207,6 +209,7 @@ class _Op:
             and not tags & {torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape, torch.Tag.inplace_view}
             and func not in (aten.lift_fresh.default, aten.lift_fresh_copy.default, aten.is_nonzero.default)
             and func not in GRAD_MODE_OPS  # sized by running them (see Tracer._sized_as_run)
+            and func not in _KERNEL_DTYPES  # dtypes by their arguments' (see Tracer._statistics)
         )
         # A view's offset is its base's plus a step the other arguments fix, except for ops told the
         # offset itself (as_strided): their keys hold the arguments' offsets.
@@ -502,6 +505,8 @@ class Tracer(TorchDispatchMode):
                 self.fake_runs += 1
                 with self.fake_mode:
                     out = func(*args, **kwargs)
+                if func in _KERNEL_DTYPES:
+                    out = self._statistics(func, args, out)
             if key is not None and recipe is None:
                 self._remember(key, args, kwargs, out)
             return out
@@ -578,6 +583,8 @@ class Tracer(TorchDispatchMode):
         if func in GRAD_MODE_OPS:
             out = self._sized_as_run(func, args, kwargs, out)
             node.meta["grad_enabled"] = torch.is_grad_enabled()
+        if func in _KERNEL_DTYPES:
+            out = self._statistics(func, args, out)
         if real:
             made = self._real(func, op, args, kwargs, out)
             if made is not None:
@@ -596,6 +603,22 @@ class Tracer(TorchDispatchMode):
             constant = func(*self._constant_arg(args), **self._constant_arg(kwargs))
         self._track(out, node, constant)
         return out
+
+    def _statistics(self, func: Any, args: tuple, out: Any) -> Any:
+        """``out`` with the statistics a normalisation saves (results 1 and 2), or the input's gradient of its
+        backward (result 0), in the dtype its real kernel gives them (see
+        :data:`~memplan.opschema.STATISTICS_IN_PARAMETER_DTYPE`)."""
+        device = out[0].fake_device if isinstance(out[0], FakeTensor) else out[0].device
+        dtype = statistics_dtype(func, args, device)
+        if dtype is None:
+            return out
+        which = (0,) if func in GRADIENT_IN_INPUT_DTYPE else (1, 2)
+        with self.fake_mode:
+            return type(out)(
+                torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=device)
+                if i in which and isinstance(t, torch.Tensor) else t
+                for i, t in enumerate(out)
+            )
 
     def _sized_as_run(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
         """``out`` (the fake kernel's outputs) with each tensor the real kernel makes in another size or
