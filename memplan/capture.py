@@ -1256,12 +1256,18 @@ def _autocast_cache_released(gm: torch.fx.GraphModule, boundary: str | None, lea
     none of them released: ``analyze()`` counted every cast weight through the backward (5-13% above eager's
     measured peak on the library zoo). Casts released inside the trace (a block the model opens itself)
     keep their recorded release.
+
+    A cast autograd saved lives on until the backward of the node that saved it has run: the engine lets a
+    node's saved tensors go when its backward function returns, after the last op it ran (a linear layer's
+    cast weight outlives the matrix product that reads it, while the same node computes the weight's and
+    the bias's gradients). It is released there, as the recorder sees any other saved tensor released.
     """
     if boundary is None or not torch.is_autocast_cache_enabled():
         return
     dtypes = {kind: torch.get_autocast_dtype(kind) for kind in AUTOCAST_KINDS if torch.is_autocast_enabled(kind)}
     if not dtypes:
         return
+    casts: set[int] = set()
     for node in gm.graph.nodes:
         if node.name == boundary:
             break
@@ -1269,7 +1275,29 @@ def _autocast_cache_released(gm: torch.fx.GraphModule, boundary: str | None, lea
             continue
         value = node.meta.get("val")
         if node.args[0] in leaves and isinstance(value, torch.Tensor) and dtypes.get(value.device.type) == value.dtype:
-            released.setdefault(_storage_key(value), boundary)
+            key = _storage_key(value)
+            if key not in released:
+                casts.add(key)
+    if not casts:
+        return
+    # the backward's last op of each autograd node (by sequence number), and the nodes that read each cast
+    nodes = list(gm.graph.nodes)
+    start = next(i for i, node in enumerate(nodes) if node.name == boundary) + 1
+    last_of: dict[int, str] = {}
+    readers: dict[int, set[int]] = {}
+    for node in nodes[start:]:
+        seq = node.meta.get("seq_nr")
+        if seq is None or node.op != "call_function":
+            continue
+        last_of[seq] = node.name
+        for arg in node.all_input_nodes:
+            value = arg.meta.get("val")
+            if isinstance(value, torch.Tensor) and _storage_key(value) in casts:
+                readers.setdefault(_storage_key(value), set()).add(seq)
+    position = {node.name: i for i, node in enumerate(nodes)}
+    for key in casts:
+        ends = [last_of[seq] for seq in readers.get(key, ())]
+        released[key] = max(ends, key=position.__getitem__) if ends else boundary
 
 
 def _autocast_in_backward(gm: torch.fx.GraphModule, boundary: str | None,

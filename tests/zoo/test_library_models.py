@@ -339,10 +339,12 @@ def test_a_library_model_under_autocast_trains_as_eager_within_its_peak(factory)
     planned = memplan.measure(step).peak
     assert planned <= eager
     # predictions under autocast as exact as in float32: analyze() was 5-13% over here (12-48% on a ResNet once),
-    # counting the casts autocast's cache holds through a backward that runs after the block
+    # counting the casts autocast's cache holds through a backward that runs after the block; then 2% under
+    # on ConvNeXt and the LSTM, letting a saved cast go before its node's backward returned, and counting a
+    # bfloat16 normalisation's float32 statistics as bfloat16
     with torch.autocast("cpu", dtype=torch.bfloat16):
         predicted = memplan.analyze(model, *inputs).peak
-    assert abs(predicted - eager) <= 0.05 * eager, (predicted, eager)
+    assert abs(predicted - eager) <= 0.005 * eager, (predicted, eager)
     assert abs(opt.plan.planned_peak + step_margin(opt.plan.graph) - planned) <= 0.05 * planned
 
 
