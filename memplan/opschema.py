@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["CONTIGUOUS_RESULTS", "GRAD_MODE_OPS", "SIZED_BY_RUNNING", "REDUCED_IN_RESULT", "STATISTICS_IN_PARAMETER_DTYPE",
-           "GRADIENT_IN_INPUT_DTYPE", "STORAGE_OF_INPUT", "mutated_args", "statistics_dtype", "result_storage_numel", "is_pure_view", "is_random", "is_view_op"]
+__all__ = ["CONTIGUOUS_RESULTS", "GRAD_MODE_OPS", "SIZED_BY_RUNNING", "REDUCED_IN_RESULT", "KERNEL_DTYPE_OPS",
+           "STORAGE_OF_INPUT", "mutated_args", "kernel_dtypes", "result_storage_numel", "is_pure_view", "is_random", "is_view_op"]
 
 
 def _defaults(*names: str) -> frozenset:
@@ -45,13 +45,14 @@ SIZED_BY_RUNNING = frozenset({torch.ops.aten._ctc_loss.default})
 CONTIGUOUS_RESULTS = _defaults("mse_loss_backward", "smooth_l1_loss_backward", "huber_loss_backward")
 
 
-# Normalisations whose CPU kernels, given a bfloat16 or half input with float32 parameters (what autocast
-# leaves a layer norm of a bfloat16 activation with: float32 weights), return the statistics they save for
-# the backward (mean and inverse deviation, outputs 1 and 2) in float32, where the fake kernels say the
-# input's dtype: a ConvNeXt under bfloat16 autocast held 512 bytes more per layer norm than predicted.
-# Operator -> the positions of its parameters (weight, bias, running statistics); capture gives those
-# results the parameters' dtype (see :func:`statistics_dtype`). CUDA kernels are left as the fake kernel
-# says (not measured).
+# Operators whose CPU kernels give some results another dtype than their fake kernels say, for reduced-precision
+# inputs (what autocast makes). Capture gives those results the kernel's dtype (see :func:`kernel_dtypes`).
+#
+# Normalisations given a bfloat16 or half input with float32 parameters (autocast leaves a layer norm of a
+# bfloat16 activation its float32 weights) return the statistics they save for the backward (mean and
+# inverse deviation, results 1 and 2) in the parameters' dtype, where the fake kernels say the input's: a
+# ConvNeXt under bfloat16 autocast held 512 bytes more per layer norm than predicted. Operator -> the
+# positions of its parameters (weight, bias, running statistics).
 STATISTICS_IN_PARAMETER_DTYPE = {
     op: positions for name, positions in (
         ("native_layer_norm", (2, 3)), ("native_group_norm", (1, 2)), ("native_batch_norm", (1, 2, 3, 4)),
@@ -59,41 +60,47 @@ STATISTICS_IN_PARAMETER_DTYPE = {
         ("_native_batch_norm_legit_no_training", (1, 2, 3, 4)),
     ) for op in _defaults(name)
 }
-_REDUCED_FLOATS = (torch.bfloat16, torch.float16)
 # Their backwards whose fake kernels then give the input's gradient (result 0) the float32 statistics' dtype,
-# where the CPU kernel gives it the input's (argument 1): operator -> the statistics' position.
+# where the kernel gives it the input's (argument 1): operator -> the statistics' position.
 GRADIENT_IN_INPUT_DTYPE = {op: 2 for op in _defaults("native_group_norm_backward")}
+# Backwards that compute every gradient in float32 for bfloat16 inputs: oneDNN's LSTM layer (torch 2.11's fake
+# kernel says bfloat16; an LSTM under autocast held twice the gradients it was predicted to).
+FLOAT32_GRADIENTS = _defaults("mkldnn_rnn_layer_backward")
+KERNEL_DTYPE_OPS = STATISTICS_IN_PARAMETER_DTYPE.keys() | GRADIENT_IN_INPUT_DTYPE.keys() | FLOAT32_GRADIENTS
+_REDUCED_FLOATS = (torch.bfloat16, torch.float16)
 
 
-def statistics_dtype(func: Any, args: tuple, device: torch.device) -> torch.dtype | None:
-    """The dtype the CPU kernel of a :data:`STATISTICS_IN_PARAMETER_DTYPE` normalisation gives the
-    statistics it saves, or of a :data:`GRADIENT_IN_INPUT_DTYPE` backward the input's gradient, where the
-    fake kernel gives another; None where they agree.
+def kernel_dtypes(func: Any, args: tuple, device: torch.device) -> tuple[torch.dtype, tuple[int, ...] | None] | None:
+    """For an operator of :data:`KERNEL_DTYPE_OPS` called on ``args``: the dtype its CPU kernel gives some of
+    its results, and which (None: all), where the fake kernel may give another; None where they agree.
 
     Examples
     --------
     >>> import torch
     >>> x, w = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(8)
-    >>> statistics_dtype(torch.ops.aten.native_layer_norm.default, (x, [8], w, w, 1e-5), torch.device("cpu"))
-    torch.float32
+    >>> kernel_dtypes(torch.ops.aten.native_layer_norm.default, (x, [8], w, w, 1e-5), torch.device("cpu"))
+    (torch.float32, (1, 2))
     >>> torch.ops.aten.native_layer_norm(x, [8], w, w, 1e-5)[1].dtype
     torch.float32
-    >>> statistics_dtype(torch.ops.aten.native_layer_norm.default, (x, [8], None, None, 1e-5), torch.device("cpu"))
+    >>> kernel_dtypes(torch.ops.aten.native_layer_norm.default, (x, [8], None, None, 1e-5), torch.device("cpu"))
     """
+    if device.type != "cpu" or not args:
+        return None
+    if func in FLOAT32_GRADIENTS:
+        tensor = args[0]
+        return (torch.float32, None) if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.bfloat16 else None
     if func in GRADIENT_IN_INPUT_DTYPE:
-        if device.type != "cpu" or len(args) < 3 or not isinstance(args[1], torch.Tensor):
+        if len(args) < 3 or not isinstance(args[1], torch.Tensor):
             return None
         stats = args[GRADIENT_IN_INPUT_DTYPE[func]]
         reduced = args[1].dtype in _REDUCED_FLOATS and isinstance(stats, torch.Tensor) and stats.dtype != args[1].dtype
-        return args[1].dtype if reduced else None
+        return (args[1].dtype, (0,)) if reduced else None
     positions = STATISTICS_IN_PARAMETER_DTYPE.get(func)
-    if positions is None or device.type != "cpu" or not args or not isinstance(args[0], torch.Tensor):
-        return None
-    if args[0].dtype not in _REDUCED_FLOATS:
+    if positions is None or not isinstance(args[0], torch.Tensor) or args[0].dtype not in _REDUCED_FLOATS:
         return None
     params = [args[i] for i in positions if i < len(args) and isinstance(args[i], torch.Tensor)]
     mixed = next((p.dtype for p in params if p.dtype != args[0].dtype), None)
-    return mixed
+    return (mixed, (1, 2)) if mixed is not None else None
 
 
 # Operators whose kernels make their result in storage allocated like their first argument, then resized

@@ -85,10 +85,9 @@ from torch.utils._python_dispatch import (
 
 from memplan._capture.formulas import EagerFormulas
 from memplan.opschema import (
-    CONTIGUOUS_RESULTS, GRAD_MODE_OPS, GRADIENT_IN_INPUT_DTYPE, REDUCED_IN_RESULT, SIZED_BY_RUNNING,
-    STATISTICS_IN_PARAMETER_DTYPE, STORAGE_OF_INPUT, result_storage_numel, statistics_dtype,
+    CONTIGUOUS_RESULTS, GRAD_MODE_OPS, KERNEL_DTYPE_OPS, REDUCED_IN_RESULT, SIZED_BY_RUNNING, STORAGE_OF_INPUT,
+    kernel_dtypes, result_storage_numel,
 )
-_KERNEL_DTYPES = STATISTICS_IN_PARAMETER_DTYPE.keys() | GRADIENT_IN_INPUT_DTYPE.keys()
 
 __all__ = ["NotDenseError", "Tracer", "new_fake_mode", "quiet_meta_failures"]
 
@@ -209,7 +208,7 @@ class _Op:
             and not tags & {torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape, torch.Tag.inplace_view}
             and func not in (aten.lift_fresh.default, aten.lift_fresh_copy.default, aten.is_nonzero.default)
             and func not in GRAD_MODE_OPS  # sized by running them (see Tracer._sized_as_run)
-            and func not in _KERNEL_DTYPES  # dtypes by their arguments' (see Tracer._statistics)
+            and func not in KERNEL_DTYPE_OPS  # dtypes by their arguments' (see Tracer._kernel_dtypes)
         )
         # A view's offset is its base's plus a step the other arguments fix, except for ops told the
         # offset itself (as_strided): their keys hold the arguments' offsets.
@@ -505,8 +504,8 @@ class Tracer(TorchDispatchMode):
                 self.fake_runs += 1
                 with self.fake_mode:
                     out = func(*args, **kwargs)
-                if func in _KERNEL_DTYPES:
-                    out = self._statistics(func, args, out)
+                if func in KERNEL_DTYPE_OPS:
+                    out = self._kernel_dtypes(func, args, out)
             if key is not None and recipe is None:
                 self._remember(key, args, kwargs, out)
             return out
@@ -583,8 +582,8 @@ class Tracer(TorchDispatchMode):
         if func in GRAD_MODE_OPS:
             out = self._sized_as_run(func, args, kwargs, out)
             node.meta["grad_enabled"] = torch.is_grad_enabled()
-        if func in _KERNEL_DTYPES:
-            out = self._statistics(func, args, out)
+        if func in KERNEL_DTYPE_OPS:
+            out = self._kernel_dtypes(func, args, out)
         if real:
             made = self._real(func, op, args, kwargs, out)
             if made is not None:
@@ -604,19 +603,18 @@ class Tracer(TorchDispatchMode):
         self._track(out, node, constant)
         return out
 
-    def _statistics(self, func: Any, args: tuple, out: Any) -> Any:
-        """``out`` with the statistics a normalisation saves (results 1 and 2), or the input's gradient of its
-        backward (result 0), in the dtype its real kernel gives them (see
-        :data:`~memplan.opschema.STATISTICS_IN_PARAMETER_DTYPE`)."""
+    def _kernel_dtypes(self, func: Any, args: tuple, out: Any) -> Any:
+        """``out`` with the results whose dtype the real kernel gives otherwise than the fake one in the
+        kernel's dtype (see :data:`~memplan.opschema.KERNEL_DTYPE_OPS`)."""
         device = out[0].fake_device if isinstance(out[0], FakeTensor) else out[0].device
-        dtype = statistics_dtype(func, args, device)
-        if dtype is None:
+        found = kernel_dtypes(func, args, device)
+        if found is None:
             return out
-        which = (0,) if func in GRADIENT_IN_INPUT_DTYPE else (1, 2)
+        dtype, which = found
         with self.fake_mode:
             return type(out)(
                 torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=device)
-                if i in which and isinstance(t, torch.Tensor) else t
+                if isinstance(t, torch.Tensor) and (which is None or i in which) and t.dtype != dtype else t
                 for i, t in enumerate(out)
             )
 
