@@ -1206,9 +1206,12 @@ class RewriteOptions:
     noise_replay : bool
         Rewrite (i): dropout's noise drawn again in the backward from the generator's state. On by
         default; off under ``inductor=True`` (see :mod:`memplan.inductor`).
+    norm_output : bool
+        Rewrite (j): batch norm's output made again in the backward from its input.
     """
 
     noise_replay: bool = True
+    norm_output: bool = True
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any]) -> "RewriteOptions":
@@ -1230,7 +1233,8 @@ def plan_rewrite(graph: CapturedGraph, options: RewriteOptions = RewriteOptions(
     # Step 1: the patterns, each node in at most one.
     found: list[Rewrite] = []
     taken: set[str] = set()
-    finders = [find for find in _FINDERS if options.noise_replay or find is not find_noise_replay]
+    finders = [find for find in _FINDERS if (options.noise_replay or find is not find_noise_replay)
+               and (options.norm_output or find is not find_norm_outputs)]
     for pattern in (p for find in finders for p in find(graph)):
         nodes = pattern.claimed()
         if nodes & taken:

@@ -606,3 +606,65 @@ def test_random_graphs(seed, steps, max_overhead):
     plain = optimize(model, passes="", max_overhead=max_overhead)
     gap = measured(plain, inputs) - plain.plan.planned_peak
     assert planned <= peak <= planned + max(gap, step_margin(opt.plan.graph))
+
+
+class _ConvNormStack(nn.Module):
+    """conv -> batch norm -> ReLU, four times (one batch norm module applied twice: shared running
+    statistics), then a mean over the pixels: what a ResNet stage saves for its backward."""
+
+    def __init__(self, channels_last: bool = False):
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(8, 8, 3, padding=1, bias=False) for _ in range(4))
+        self.norms = nn.ModuleList(nn.BatchNorm2d(8) for _ in range(3))
+        self.channels_last = channels_last
+
+    def forward(self, x):
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        for i, conv in enumerate(self.convs):
+            x = torch.relu(self.norms[min(i, 2)](conv(x)))
+        return x.mean((2, 3))
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_a_batch_norm_that_updates_running_statistics_is_recomputed_without_them(channels_last):
+    # the copy runs the same kernel on the same input with no running statistics: the same output and
+    # statistics bit for bit, and the running statistics are updated once, by the forward. Every
+    # candidate that recomputes one is run, chosen or not (a pass applying it)
+    from memplan.pipeline import PassResult, register_pass
+
+    torch.manual_seed(0)
+    model = _ConvNormStack(channels_last).train()
+    x = torch.randn(4, 8, 16, 16, requires_grad=True)
+    graph = capture(model, x, seed="tangents")
+    _, candidates = plan_remat(graph, AnalysisManager(graph), Policy(max_overhead=5.0))
+    plans = [c.plan for c in candidates if any("batch_norm" in name for name in c.plan.recomputed)]
+    assert plans
+    for i, plan in enumerate(plans):
+        name = f"test_remat_norms_{channels_last}_{i}"
+        register_pass(name, lambda g, ctx, plan=plan: PassResult(apply_remat(g, plan), changed=True))
+        opt = optimize(model, passes=(name,))
+        assert_equivalent(model, opt, x, rtol=0, atol=0)
+        planned = opt.plan.graph
+        copies = [n for n in planned.gm.graph.nodes if n.target is torch.ops.aten.native_batch_norm.default
+                  and planned.phases[n.name] is Phase.BACKWARD]
+        assert copies and all(n.args[3] is None and n.args[4] is None for n in copies)
+        step = step_fn(opt, (x,), train=True)
+        step()
+        assert measure(step).peak == opt.plan.planned_peak + step_margin(planned)
+
+
+def test_recomputing_batch_norms_never_gives_a_higher_peak_than_keeping_them(monkeypatch):
+    # the cuts through batch norms are tried beside the cuts that keep them, so the option only adds plans
+    # (alone, every cut of the sweep went through them here, all above the plan keeping them)
+    import memplan.passes._remat.facts as facts_module
+    import memplan.passes.remat as remat_module
+
+    torch.manual_seed(0)
+    model = _ConvNormStack().train()
+    graph = capture(model, torch.randn(4, 8, 16, 16, requires_grad=True), seed="tangents")
+    chosen, _ = plan_remat(graph, AnalysisManager(graph), Policy(max_overhead=0.5))
+    for module in (facts_module, remat_module):
+        monkeypatch.setattr(module, "updates_running_statistics_only", lambda node: False)
+    kept, _ = plan_remat(graph, AnalysisManager(graph), Policy(max_overhead=0.5))
+    assert chosen.peak <= kept.peak

@@ -28,7 +28,7 @@ from memplan.graphutil import (
     same_geometry,
 )
 from memplan.ops import replay_bernoulli_
-from memplan.passes._remat.facts import RematFacts, StorageIndex, output_storages
+from memplan.passes._remat.facts import RematFacts, StorageIndex, output_storages, recomputed_call
 from memplan.passes._rewrite.noise_replay import REPLAY_STATE, replay_args
 
 __all__ = [
@@ -491,8 +491,9 @@ def _copy_node(editor: GraphEditor, node: torch.fx.Node, remap: Callable[[torch.
         mapping[arg] = remap(arg)
         return mapping[arg]
 
-    args = torch.fx.map_arg(node.args, record)
-    kwargs = torch.fx.map_arg(node.kwargs, record)
+    args, kwargs = recomputed_call(node, node.args, node.kwargs)  # (before remapping: what it no longer reads)
+    args = torch.fx.map_arg(args, record)
+    kwargs = torch.fx.map_arg(kwargs, record)
     target = node.target
     state = node.meta.get(REPLAY_STATE)
     if state is not None:  # a draw made again from the generator's state taken before it (facts: replayable)

@@ -24,6 +24,8 @@ from memplan.passes._rewrite.noise_replay import replayable_draws
 
 __all__ = [
     "DEFAULT_BAN_OPS",
+    "recomputed_call",
+    "updates_running_statistics_only",
     "NodeFacts",
     "RematFacts",
     "StorageIndex",
@@ -278,6 +280,38 @@ def output_storages(graph: CapturedGraph, tensors: Tensors) -> frozenset[int]:
     return frozenset(kept)
 
 
+_BATCH_NORM = torch.ops.aten.native_batch_norm.default
+#: Positions of a batch norm's running statistics, the only arguments it writes.
+_RUNNING_STATISTICS = (3, 4)
+
+
+def updates_running_statistics_only(node: torch.fx.Node) -> bool:
+    """A training batch norm on the CPU that updates running statistics: its only writes.
+
+    Recomputed, it runs without them (``native_batch_norm(x, w, b, None, None, True, momentum, eps)``, see
+    :func:`recomputed_call`): the kernel computes the batch statistics and the output from ``x``, ``w``, ``b``,
+    ``momentum`` and ``eps`` alone, so the same call gives the same statistics and output bit for bit
+    (``rewrite``'s batch norm output, (j), relies on the same; checked for contiguous and channels-last
+    inputs, with the backward on the forward's thread count as a training step runs it), and the running
+    statistics are updated once, by the forward. CPU only: CUDA runs cuDNN's kernel, not checked.
+    """
+    if node.target is not _BATCH_NORM or len(node.args) < 8 or node.args[5] is not True:
+        return False
+    if not all(isinstance(node.args[i], torch.fx.Node) for i in _RUNNING_STATISTICS):
+        return False
+    value = node.meta.get("val")
+    first = value[0] if isinstance(value, (tuple, list)) and value else None
+    return isinstance(first, torch.Tensor) and first.device.type == "cpu"
+
+
+def recomputed_call(node: torch.fx.Node, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The arguments a copy of ``node`` runs with (its own, remapped): a batch norm that updates running
+    statistics is recomputed without them (:func:`updates_running_statistics_only`)."""
+    if updates_running_statistics_only(node):
+        args = tuple(None if i in _RUNNING_STATISTICS else a for i, a in enumerate(args))
+    return args, kwargs
+
+
 def _why_not_recomputable(node: torch.fx.Node, position: int, tensors: Tensors, last_write: Mapping[int, int],
                           in_unit: bool = False, replayed: frozenset[int] = frozenset(),
                           replayable: frozenset[str] = frozenset()) -> str | None:
@@ -285,13 +319,16 @@ def _why_not_recomputable(node: torch.fx.Node, position: int, tensors: Tensors, 
         return "not an aten operator"
     if is_random(node) and not (in_unit and node.name in replayable):
         return "draws from the RNG"  # (a draw whose state the rewrite took is replayed from it, in its unit)
-    if mutated_args(node) and not in_unit:
+    statistics = updates_running_statistics_only(node)  # its copy reads and writes none of them
+    if mutated_args(node) and not in_unit and not statistics:
         return "writes in place"
     if "val" not in node.meta:
         return "no fake value"
     touched = set(tensors.storages_of(node.name))
+    unread = {node.args[i] for i in _RUNNING_STATISTICS} if statistics else set()
     for arg in node.all_input_nodes:
-        touched.update(tensors.storages_of(arg.name))
+        if arg not in unread:
+            touched.update(tensors.storages_of(arg.name))
     if any(last_write.get(sid, -1) > position for sid in touched if sid not in replayed):
         return "reads or is a storage that an op writes in place afterwards"
     return None
