@@ -122,6 +122,7 @@ class _Registered:
     options: OptionsReader | None = None
     retry_before: str | None = None
     alone: Callable[[CapturedGraph, Mapping[str, Any]], bool] | None = None
+    variants: Callable[[CapturedGraph, Mapping[str, Any]], Sequence[Mapping[str, Any]]] | None = None
 
 
 _REGISTRY: dict[str, _Registered] = {}
@@ -129,7 +130,9 @@ _REGISTRY: dict[str, _Registered] = {}
 
 def register_pass(name: str, fn: PassFn | None = None, *, options: OptionsReader | None = None,
                   retry_before: str | None = None,
-                  alone: Callable[[CapturedGraph, Mapping[str, Any]], bool] | None = None) -> Any:
+                  alone: Callable[[CapturedGraph, Mapping[str, Any]], bool] | None = None,
+                  variants: Callable[[CapturedGraph, Mapping[str, Any]], Sequence[Mapping[str, Any]]] | None = None
+                  ) -> Any:
     """Register a pass under ``name`` (usable as a decorator). Registering a name twice is an error.
 
     ``options``: the pass's reader of its ``"<name>.<option>"`` options (its frozen options class filled
@@ -141,7 +144,10 @@ def register_pass(name: str, fn: PassFn | None = None, *, options: OptionsReader
     ``graph``, and should then be given each rung's budget alone, the other passes choosing as on the
     rung before, as one more plan for the rung: a pass whose plans cost less time than the others' for
     the same memory (``offload``: copies that overlap the step, where recomputation adds ops) gets the
-    budget before they spend time on it.
+    budget before they spend time on it. ``variants(graph, options)``: other settings of the pass's own
+    options (each a mapping of ``"<name>.<option>"`` keys) with which the whole pipeline is planned too,
+    where a choice of the pass changes what later passes can do and neither setting wins on every model
+    (see :meth:`PassManager.run`); empty where the pass would not act, or the user set those options.
     """
 
     def add(f: PassFn) -> PassFn:
@@ -149,7 +155,7 @@ def register_pass(name: str, fn: PassFn | None = None, *, options: OptionsReader
             raise ValueError(f"a pass named {name!r} is already registered")
         if not name.isidentifier():
             raise ValueError(f"pass names are identifiers; {name!r} is not")
-        _REGISTRY[name] = _Registered(f, options, retry_before, alone)
+        _REGISTRY[name] = _Registered(f, options, retry_before, alone, variants)
         return f
 
     return add(fn) if fn is not None else add
@@ -630,7 +636,7 @@ class PassManager:
                          pristine: CapturedGraph | None, fraction: float | None) -> PipelineResult:
         budget = self.policy.budget
         if budget is None or self.policy.when_over != "raise":
-            return self._run(graph, self.policy, known, pristine=pristine)
+            return self._with_variants(graph, known, pristine)
         smallest = lowest = None
         for result, peak in self.ladder(graph, known):
             smallest, lowest = peak, result
@@ -653,6 +659,47 @@ class PassManager:
             smallest=smallest,
             holders=holders,
         )
+
+    def _with_variants(self, graph: CapturedGraph, known: Mapping[type, Any] | None,
+                       pristine: CapturedGraph | None) -> PipelineResult:
+        """The passes run once under the policy, and again with each setting a pass registered as a
+        variant (``register_pass(variants=)``) for ``graph``: the plan with the lowest step peak whose
+        predicted step time is within the whole pipeline's allowance (eager's time plus ``max_overhead``
+        of the plan's before any pass), or no slower than the first plan.
+
+        A pass's choice can close doors a later pass would open: ``rewrite``'s batch norm output made
+        again (j) took the zoo's small ResNet from 147 to 137 KiB, after which remat found nothing, where
+        remat alone reaches 105 KiB; on MobileViT the first is lower. Variants run from copies of the
+        graph before any pass, only where the pass would act.
+        """
+        variants = [(name, variant) for name in dict.fromkeys(self.passes)
+                    if _REGISTRY[name].variants is not None
+                    for variant in _REGISTRY[name].variants(graph, self.options)]
+        if not variants:
+            return self._run(graph, self.policy, known, pristine=pristine)
+        source = pristine if pristine is not None else _snapshot(graph)
+        start = graph_cost(source, rates_for(self.rates, run_device(source)))
+        result = self._run(graph, self.policy, known, pristine=pristine)
+        allowed = max(result.plan_time, result.eager_time + self.policy.max_overhead * start)
+        best, best_peak, why = result, _step_peak(result), None
+        options = self.options
+        for name, variant in variants:
+            self.options = {**options, **variant}
+            try:
+                planned = self._run(copy_graph(source), self.policy, known, pristine=source)
+            finally:
+                self.options = options
+            peak = _step_peak(planned)
+            if planned.plan_time <= allowed and (peak, planned.plan_time) < (best_peak, best.plan_time):
+                setting = ", ".join(f"{k}={v!r}" for k, v in variant.items())
+                why = (name, f"the pipeline planned again with {setting}: a lower peak ({format_bytes(peak)} "
+                             f"against {format_bytes(_step_peak(result))})")
+                best, best_peak = planned, peak
+        if why is None:
+            return best
+        records = tuple(dataclasses.replace(r, notes=r.notes + (why[1],)) if r.name == why[0] else r
+                        for r in best.records)
+        return dataclasses.replace(best, records=records)
 
     def ladder(self, graph: CapturedGraph, known: Mapping[type, Any] | None = None) -> Iterator[tuple[PipelineResult, int]]:
         """Plans of ``graph`` from the least extra compute to the lowest peak, with their step peaks.

@@ -1294,7 +1294,17 @@ def apply_rewrite(graph: CapturedGraph, plan: RewritePlan) -> tuple[CapturedGrap
     return graph, tuple(done)
 
 
-@register_pass("rewrite", options=RewriteOptions.from_mapping)
+def _variants(graph: CapturedGraph, options: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The pipeline is also planned without rewrite (j) where it would act and the user left it to
+    memplan: remaking batch norms' outputs can leave ``remat`` nothing to gain, where remat's own cuts
+    through them (it recomputes a batch norm without its running statistics) reach lower, and on other
+    models (j) is the lower plan (see :meth:`~memplan.pipeline.PassManager.run`)."""
+    if "rewrite.norm_output" in options or not graph.training or not find_norm_outputs(graph):
+        return []
+    return [{"rewrite.norm_output": False}]
+
+
+@register_pass("rewrite", options=RewriteOptions.from_mapping, variants=_variants)
 def rewrite(graph: CapturedGraph, ctx: PassContext) -> PassResult:
     """Rewrite broadcast matmuls, matmul+max regions, broadcast products, oversized results, vocabulary
     heads with their cross-entropy, copies saved before in-place writes, and attention written out (see
