@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from memplan.fuzz import CHECKS, FAMILIES, OVERESTIMATE, Finding, check_program, minimise, same_failure, structural_program
+from memplan.fuzz import CHECKS, FAMILIES, NEAR_TIE, OVERESTIMATE, Finding, check_program, minimise, same_failure, structural_program
 
 __all__ = ["main", "run"]
 
@@ -77,7 +77,7 @@ class _Tally:
             self.skipped += 1
             return
         found = list(dict.fromkeys(kinds))
-        if any(kind != OVERESTIMATE for kind in found):
+        if any(kind not in (OVERESTIMATE, NEAR_TIE) for kind in found):
             self.failing += 1
         for kind in found:
             self.kinds[kind] += 1
@@ -94,7 +94,7 @@ class _Tally:
         for kind, count in sorted(self.kinds.items(), key=lambda item: (-item[1], item[0])):
             seeds = self.seeds[kind]
             shown = ", ".join(map(str, seeds[:12])) + (", ..." if len(seeds) > 12 else "")
-            rows.append((f"  {kind}" + (" (not a failure)" if kind == OVERESTIMATE else ""), str(count), shown))
+            rows.append((f"  {kind}" + (" (not a failure)" if kind in (OVERESTIMATE, NEAR_TIE) else ""), str(count), shown))
         width = max(len(r[0]) for r in rows)
         lines = [f"{'':{width}}  {'count':>6}  seeds", "-" * (width + 30)]
         lines += [f"{name:{width}}  {count:>6}  {seeds}" for name, count, seeds in rows]
