@@ -42,28 +42,35 @@ def _zoo() -> tuple[list, list, type]:
     return factories, autocast, module._UnderAutocast
 
 
+def _measured(factory, wrap=lambda module: module) -> tuple:
+    """``factory``'s model planned and stepped once, ``wrap`` around both (the autocast block): the model and
+    its inputs, whether the plan trains as eager does, eager's and the plan's measured peaks, the plan's
+    predicted peak."""
+    torch.manual_seed(0)
+    model, inputs = factory()
+    model.train()
+    opt = memplan.optimize(model)
+    try:
+        assert_equivalent(wrap(model), wrap(opt), *inputs)
+        equal = True
+    except AssertionError:
+        equal = False
+    eager = memplan.measure(step_fn(wrap(model), inputs, train=True)).peak
+    step = step_fn(wrap(opt), inputs, train=True)
+    step()
+    planned = memplan.measure(step).peak
+    return model, inputs, equal, eager, planned, opt.plan.planned_peak + step_margin(opt.plan.graph)
+
+
 def _autocast_rows(factories: list, wrapper: type) -> list[tuple]:
     """Each model's step under bfloat16 autocast (forward in the block, backward after it): equal to eager,
     the plan's peak over eager's, ``analyze()`` (called in the block) and the plan's prediction against the
     measures."""
     rows = []
     for factory in factories:
-        torch.manual_seed(0)
-        model, inputs = factory()
-        model.train()
-        opt = memplan.optimize(model)
-        try:
-            assert_equivalent(wrapper(model), wrapper(opt), *inputs)
-            equal = True
-        except AssertionError:
-            equal = False
-        step = step_fn(wrapper(opt), inputs, train=True)
-        step()
-        eager = memplan.measure(step_fn(wrapper(model), inputs, train=True)).peak
-        planned = memplan.measure(step).peak
+        model, inputs, equal, eager, planned, predicted = _measured(factory, wrapper)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             analyzed = memplan.analyze(model, *inputs).peak
-        predicted = opt.plan.planned_peak + step_margin(opt.plan.graph)
         rows.append((factory.__name__, equal, eager, planned, analyzed / eager, predicted / planned))
         print(f"{factory.__name__} (autocast): {'equal' if equal else 'DIFFERS'}, peak {planned / eager:.3f}x "
               f"eager's", file=sys.stderr, flush=True)
@@ -76,20 +83,7 @@ def main() -> int:
     rows = []
     factories, autocast, wrapper = _zoo()
     for factory in factories:
-        torch.manual_seed(0)
-        model, inputs = factory()
-        model.train()
-        opt = memplan.optimize(model)
-        try:
-            assert_equivalent(model, opt, *inputs)
-            equal = True
-        except AssertionError:
-            equal = False
-        eager = memplan.measure(step_fn(model, inputs, train=True)).peak
-        step = step_fn(opt, inputs, train=True)
-        step()
-        planned = memplan.measure(step).peak
-        predicted = opt.plan.planned_peak + step_margin(opt.plan.graph)
+        _, _, equal, eager, planned, predicted = _measured(factory)
         rows.append((factory.__name__, equal, eager, planned, planned / eager, predicted / planned))
         print(f"{factory.__name__}: {'equal' if equal else 'DIFFERS'}, peak {planned / eager:.3f}x eager's, "
               f"prediction {predicted / planned:.3f}x", file=sys.stderr, flush=True)
