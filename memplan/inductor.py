@@ -362,7 +362,7 @@ def _compile(module: torch.fx.GraphModule, args: Sequence[Any], name: str) -> Ca
         # Inductor's reuse of a dead buffer for a new one raised the compiled backward's peak, never lowered
         # it: the zoo's GPT-2 198 -> 180 KiB without it, its encoder 118 -> 95 KiB, the latent GRU 924 -> 840
         # KiB, the other examples unchanged (this CPU); in the forward it changed nothing.
-        patches["allow_buffer_reuse"] = __import__("os").environ.get("MP_REUSE") == "1"
+        patches["allow_buffer_reuse"] = False
     examples = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
     with config.patch(patches), torch.no_grad(), autocast_off():
         traced = make_fx(_functionalized(plain), decomposition_table=select_decomp_table(),
