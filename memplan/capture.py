@@ -1283,21 +1283,21 @@ def _autocast_cache_released(gm: torch.fx.GraphModule, boundary: str | None, lea
     # the backward's last op of each autograd node (by sequence number), and the nodes that read each cast
     nodes = list(gm.graph.nodes)
     start = next(i for i, node in enumerate(nodes) if node.name == boundary) + 1
-    last_of: dict[int, str] = {}
+    last_of: dict[int, int] = {}  # sequence number -> position of its last op
     readers: dict[int, set[int]] = {}
-    for node in nodes[start:]:
+    for i in range(start, len(nodes)):
+        node = nodes[i]
         seq = node.meta.get("seq_nr")
         if seq is None or node.op != "call_function":
             continue
-        last_of[seq] = node.name
+        last_of[seq] = i
         for arg in node.all_input_nodes:
             value = arg.meta.get("val")
             if isinstance(value, torch.Tensor) and _storage_key(value) in casts:
                 readers.setdefault(_storage_key(value), set()).add(seq)
-    position = {node.name: i for i, node in enumerate(nodes)}
     for key in casts:
         ends = [last_of[seq] for seq in readers.get(key, ())]
-        released[key] = max(ends, key=position.__getitem__) if ends else boundary
+        released[key] = nodes[max(ends)].name if ends else boundary
 
 
 def _autocast_in_backward(gm: torch.fx.GraphModule, boundary: str | None,

@@ -11,8 +11,9 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["CONTIGUOUS_RESULTS", "GRAD_MODE_OPS", "SIZED_BY_RUNNING", "REDUCED_IN_RESULT", "KERNEL_DTYPE_OPS",
-           "STORAGE_OF_INPUT", "mutated_args", "kernel_dtypes", "result_storage_numel", "is_pure_view", "is_random", "is_view_op"]
+__all__ = ["BATCH_NORM_RUNNING_STATISTICS", "CONTIGUOUS_RESULTS", "GRAD_MODE_OPS", "SIZED_BY_RUNNING",
+           "REDUCED_IN_RESULT", "KERNEL_DTYPE_OPS", "STORAGE_OF_INPUT", "mutated_args", "kernel_dtypes",
+           "without_running_statistics", "result_storage_numel", "is_pure_view", "is_random", "is_view_op"]
 
 
 def _defaults(*names: str) -> frozenset:
@@ -101,6 +102,24 @@ def kernel_dtypes(func: Any, args: tuple, device: torch.device) -> tuple[torch.d
     params = [args[i] for i in positions if i < len(args) and isinstance(args[i], torch.Tensor)]
     mixed = next((p.dtype for p in params if p.dtype != args[0].dtype), None)
     return (mixed, (1, 2)) if mixed is not None else None
+
+
+# The arguments of ``native_batch_norm`` that are its running statistics, which it updates in training.
+BATCH_NORM_RUNNING_STATISTICS = (3, 4)
+
+
+def without_running_statistics(args: tuple) -> tuple:
+    """A ``native_batch_norm`` call's arguments with no running statistics to update. The kernel computes the
+    batch statistics and the output from the input, weight, bias, momentum and eps alone, so the call gives
+    the same statistics and output as the original, bit for bit on the CPU, and writes nothing (``rewrite``'s
+    batch norm output made again, and ``remat``'s recomputed batch norm).
+
+    Examples
+    --------
+    >>> without_running_statistics(("x", "w", "b", "mean", "var", True, 0.1, 1e-5))
+    ('x', 'w', 'b', None, None, True, 0.1, 1e-05)
+    """
+    return tuple(None if i in BATCH_NORM_RUNNING_STATISTICS else a for i, a in enumerate(args))
 
 
 # Operators whose kernels make their result in storage allocated like their first argument, then resized

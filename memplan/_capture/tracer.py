@@ -451,7 +451,8 @@ class Tracer(TorchDispatchMode):
         if op is None:
             op = self._ops[func] = _Op(func, self.graph)
         key = None
-        if op.cacheable and not (self.real_constants and not _has_fake(args) and not _has_fake(kwargs.values())):
+        # a call with no fake argument may make real constants (see _slow): never from the recipe cache
+        if op.cacheable and (not self.real_constants or _has_fake(args) or _has_fake(kwargs.values())):
             # Step 3: the key; Step 4: a hit makes the outputs from the recipe.
             key = self._cache_key(func, op, args, kwargs)
             recipe = self._cache.get(key) if key is not None else None
@@ -913,29 +914,22 @@ class Tracer(TorchDispatchMode):
         trace decides from them holds for every call of the signature.
         """
         fakes = _tensors_in(out)
-        if not fakes or (type(out) is not FakeTensor and not (type(out) in (list, tuple) and len(out) == len(fakes))):
-            return self._escaped(func) if op.writes else None
-        for fake in fakes:
-            if (type(fake) is not FakeTensor or fake.fake_device.type != "cpu" or fake.layout != torch.strided
-                    or fake.untyped_storage().nbytes() > _REAL_CONSTANT_BYTES):
-                if op.writes and self._written(op, args, kwargs):
-                    return self._escaped(func)
-                return None
-        made = func(*self._constant_arg(args), **self._constant_arg(kwargs))
-        reals = _tensors_in(made)
-        if len(reals) != len(fakes) or any(
-            r.shape != f.shape or r.stride() != f.stride() or r.dtype != f.dtype or r.device.type != "cpu"
-            for r, f in zip(reals, fakes)
+        made = None
+        if fakes and (type(out) is FakeTensor or (type(out) in (list, tuple) and len(out) == len(fakes))) and all(
+            type(f) is FakeTensor and f.fake_device.type == "cpu" and f.layout == torch.strided
+            and f.untyped_storage().nbytes() <= _REAL_CONSTANT_BYTES for f in fakes
         ):
-            if op.writes:
-                return self._escaped(func)
-            return None
-        return made
-
-    def _escaped(self, func: Any) -> Any:
-        if self.reals_made:
+            made = func(*self._constant_arg(args), **self._constant_arg(kwargs))
+            reals = _tensors_in(made)
+            if len(reals) != len(fakes) or any(
+                r.shape != f.shape or r.stride() != f.stride() or r.dtype != f.dtype or r.device.type != "cpu"
+                for r, f in zip(reals, fakes)
+            ):
+                made = None
+        if made is None and op.writes:
+            # it wrote a real constant (every tensor it reads is one), which its fake twin cannot follow
             raise RealConstantWritten(f"{func} wrote a constant in a way its fake twin cannot follow")
-        return None
+        return made
 
     def _constant_node(self, tensor: torch.Tensor) -> torch.fx.Node:
         """A ``get_attr`` node for a tensor the trace did not make, stored on :attr:`root` as fx stores it."""

@@ -20,6 +20,7 @@ from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.tensors import Tensors, last_writes, tensor_values
 from memplan.capture import CapturedGraph, Phase
 from memplan.graphutil import is_random, mutated_args, packet_name
+from memplan.opschema import BATCH_NORM_RUNNING_STATISTICS, without_running_statistics
 from memplan.passes._rewrite.noise_replay import replayable_draws
 
 __all__ = [
@@ -281,8 +282,6 @@ def output_storages(graph: CapturedGraph, tensors: Tensors) -> frozenset[int]:
 
 
 _BATCH_NORM = torch.ops.aten.native_batch_norm.default
-#: Positions of a batch norm's running statistics, the only arguments it writes.
-_RUNNING_STATISTICS = (3, 4)
 
 
 def updates_running_statistics_only(node: torch.fx.Node) -> bool:
@@ -297,7 +296,7 @@ def updates_running_statistics_only(node: torch.fx.Node) -> bool:
     """
     if node.target is not _BATCH_NORM or len(node.args) < 8 or node.args[5] is not True:
         return False
-    if not all(isinstance(node.args[i], torch.fx.Node) for i in _RUNNING_STATISTICS):
+    if not all(isinstance(node.args[i], torch.fx.Node) for i in BATCH_NORM_RUNNING_STATISTICS):
         return False
     value = node.meta.get("val")
     first = value[0] if isinstance(value, (tuple, list)) and value else None
@@ -307,9 +306,7 @@ def updates_running_statistics_only(node: torch.fx.Node) -> bool:
 def recomputed_call(node: torch.fx.Node, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The arguments a copy of ``node`` runs with (its own, remapped): a batch norm that updates running
     statistics is recomputed without them (:func:`updates_running_statistics_only`)."""
-    if updates_running_statistics_only(node):
-        args = tuple(None if i in _RUNNING_STATISTICS else a for i, a in enumerate(args))
-    return args, kwargs
+    return (without_running_statistics(args) if updates_running_statistics_only(node) else args), kwargs
 
 
 def _why_not_recomputable(node: torch.fx.Node, position: int, tensors: Tensors, last_write: Mapping[int, int],
@@ -325,7 +322,7 @@ def _why_not_recomputable(node: torch.fx.Node, position: int, tensors: Tensors, 
     if "val" not in node.meta:
         return "no fake value"
     touched = set(tensors.storages_of(node.name))
-    unread = {node.args[i] for i in _RUNNING_STATISTICS} if statistics else set()
+    unread = {node.args[i] for i in BATCH_NORM_RUNNING_STATISTICS} if statistics else set()
     for arg in node.all_input_nodes:
         if arg not in unread:
             touched.update(tensors.storages_of(arg.name))

@@ -40,7 +40,7 @@ import torch.fx
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.tensors import Tensors, last_writes
 from memplan.capture import CapturedGraph, Phase
-from memplan.opschema import mutated_args
+from memplan.opschema import mutated_args, without_running_statistics
 from memplan.passes._chunk.graphs import fake_mode_of, refresh_aliases
 from memplan.passes._rewrite.remade import Remade, undo
 
@@ -127,13 +127,12 @@ def apply_norm_outputs(graph: CapturedGraph, patterns: list[NormOutput], state: 
     done = []
     for pattern in patterns:
         norm, read = graph.node(pattern.norm), graph.node(pattern.read)
-        x, weight, bias = norm.args[0], norm.args[1], norm.args[2]
         readers = [u for u in read.users if state["phases"].get(u.name) is Phase.BACKWARD]
         first = min(readers, key=order.__getitem__)
         remade = Remade(graph, state)
         # the same kernel on the same input, without running statistics to update: the same statistics
         # and the same output, bit for bit
-        again = remade.insert(first, _NORM, (x, weight, bias, None, None, True, norm.args[6], norm.args[7]))
+        again = remade.insert(first, _NORM, without_running_statistics(norm.args))
         again = remade.insert(first, operator.getitem, (again, 0))
         if pattern.relu:
             again = remade.insert(first, torch.ops.aten.relu_.default, (again,))
