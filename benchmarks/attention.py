@@ -5,17 +5,20 @@ Two attention blocks as models write them, none of them one of memplan's example
 * ``gpt2``: one projection split into heads by ``view``/``transpose``, ``matmul`` products, a division
   by ``sqrt(d)``, a causal ``-inf`` mask built from constants, the heads merged and projected;
 * ``einsum``: a research-code block with separate projections, the scale on ``q``, ``einsum``
-  products and an additive padding mask given with the input.
+  products and an additive padding mask given with the input;
+* ``gpt2_dropout``: ``gpt2`` with dropout 0.1 on the attention probabilities (``F.dropout``, as GPT-2's
+  ``attn_dropout``), in training.
 
 For each: eager, ``memplan.optimize(model)`` (the default pipeline, ``max_overhead=0.3``), and the same
 module with its scores, mask and softmax replaced by one ``F.scaled_dot_product_attention`` call (the
-same parameters; ``is_causal=True`` for ``gpt2``, the mask as ``attn_mask`` for ``einsum``), checked
-equivalent first. One training step each (:func:`memplan.steps.step_fn`): peaks by
+same parameters; ``is_causal=True`` for ``gpt2``, the mask as ``attn_mask`` for ``einsum``, ``dropout_p``
+for ``gpt2_dropout``), checked equivalent first (not ``gpt2_dropout``'s: the fused kernel draws other
+noise than ``F.dropout``; memplan's plan is checked against eager's draw). One training step each (:func:`memplan.steps.step_fn`): peaks by
 :func:`memplan.measure` (deterministic on CPU; the fused kernel's per-thread block workspaces are not
 counted), times as medians of interleaved blocks (:func:`memplan.bench.interleaved_medians`), one
 thread by default.
 
-Run ``python benchmarks/attention.py [--size small|default] [--repeats 10] [--threads 1]``.
+Run ``python benchmarks/attention.py [--size small|default] [--repeats 10] [--threads 1] [--models gpt2 ...]``.
 """
 
 from __future__ import annotations
@@ -44,9 +47,9 @@ SIZES = {
 class GPT2Block(nn.Module):
     """GPT-2's attention as written out; ``fused=True`` calls ``F.scaled_dot_product_attention``."""
 
-    def __init__(self, width: int, heads: int, fused: bool = False):
+    def __init__(self, width: int, heads: int, fused: bool = False, dropout: float = 0.0):
         super().__init__()
-        self.heads, self.fused = heads, fused
+        self.heads, self.fused, self.dropout = heads, fused, dropout
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
 
@@ -55,11 +58,15 @@ class GPT2Block(nn.Module):
         q, k, v = self.qkv(x).split(width, dim=2)
         q, k, v = (t.view(b, n, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
         if self.fused:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            p = self.dropout if self.training else 0.0
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
         else:
             scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(width // self.heads)
             scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
-            out = torch.matmul(F.softmax(scores, dim=-1), v)
+            probs = F.softmax(scores, dim=-1)
+            if self.dropout:
+                probs = F.dropout(probs, self.dropout, training=self.training)
+            out = torch.matmul(probs, v)
         return self.proj(out.transpose(1, 2).reshape(b, n, width))
 
 
@@ -84,7 +91,7 @@ class EinsumBlock(nn.Module):
         return self.out(out.permute(0, 2, 1, 3).reshape(b, n, width))
 
 
-MODELS = ("gpt2", "einsum")
+MODELS = ("gpt2", "einsum", "gpt2_dropout")
 
 
 def build(name: str, size: str, fused: bool = False, seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
@@ -92,8 +99,8 @@ def build(name: str, size: str, fused: bool = False, seed: int = 0) -> tuple[nn.
     s = SIZES[size]
     torch.manual_seed(seed)
     x = torch.randn(s["batch"], s["tokens"], s["width"], requires_grad=True)
-    if name == "gpt2":
-        return GPT2Block(s["width"], s["heads"], fused), (x,)
+    if name in ("gpt2", "gpt2_dropout"):
+        return GPT2Block(s["width"], s["heads"], fused, dropout=0.1 if name == "gpt2_dropout" else 0.0), (x,)
     if name == "einsum":
         mask = torch.zeros(s["batch"], 1, 1, s["tokens"])
         mask[0, ..., s["tokens"] * 3 // 4:] = torch.finfo(torch.float32).min  # the first sequence is padded
@@ -106,16 +113,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=tuple(SIZES), default="default")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
     print(f"{'model':8s} {'variant':8s} {'peak':>10s} {'lower':>7s} {'time':>9s} {'x eager':>8s} {'plan s':>7s}")
-    for name in MODELS:
+    for name in args.models:
         model, inputs = build(name, args.size)
         fused, _ = build(name, args.size, fused=True)
         fused.load_state_dict(model.state_dict())
         opt = memplan.optimize(model)
-        assert_equivalent(model, fused, *inputs)
+        if name != "gpt2_dropout":
+            assert_equivalent(model, fused, *inputs)
         assert_equivalent(model, opt, *inputs)  # (plans on its first call)
         variants = {"eager": model, "memplan": opt, "sdpa": fused}
         peaks, times = side_by_side(variants, inputs, args.repeats)

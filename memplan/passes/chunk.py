@@ -166,6 +166,7 @@ from memplan.passes._chunk.rules import (
     nbytes,
     shape_of,
 )
+from memplan.passes._rewrite.remade import REMAKES
 from memplan.pipeline import PassContext, PassResult, PassStats, mutation_hazards, pass_options, register_pass
 from memplan.policy import Candidate, Policy
 
@@ -1185,7 +1186,8 @@ def _apply_region(graph: CapturedGraph, region: ChunkRegion, compile: bool) -> _
         bloops, bspecs, b_scales, b_held = builders[1]([region.chunk])
         scales.append(b_scales)
         held.append(b_held)
-        args = [materialised.get(by_name[a.name], by_name[a.name]) for a, _ in b_inputs]
+        twins = _remade_in_backward(gm.graph, by_name)
+        args = [materialised.get(by_name[a.name], twins.get(a.name, by_name[a.name])) for a, _ in b_inputs]
         new_bwd = _insert_loop(state, gm, bloops[region.chunk], bspecs, args, Phase.BACKWARD, body[0], seq, mode)
         calls.append(new_bwd[0])
         bfirst = min(original[n] for n in body)
@@ -1231,6 +1233,20 @@ def _apply_region(graph: CapturedGraph, region: ChunkRegion, compile: bool) -> _
         return cache[size]
 
     return _Applied(new, loops_for, scales, held)
+
+
+def _remade_in_backward(graph: torch.fx.Graph, by_name: Mapping[str, torch.fx.Node]) -> dict[str, torch.fx.Node]:
+    """Forward value's name -> the backward node that makes the same value again, bit for bit (the noise
+    of a dropout drawn again: ``rewrite`` (i)). The backward loop reads the twin where it recomputes from
+    the forward value, so the forward's value dies with its forward readers. A twin laid out otherwise
+    than the value (a stale mark) is not used."""
+    twins = {}
+    for node in graph.nodes:
+        name = node.meta.get(REMAKES)
+        value, twin = (by_name[name].meta.get("val") if name in by_name else None), node.meta.get("val")
+        if isinstance(value, torch.Tensor) and same_layouts(value, twin):
+            twins[name] = node
+    return twins
 
 
 def _drop_layout_copy(graph: torch.fx.Graph, item: torch.fx.Node) -> None:

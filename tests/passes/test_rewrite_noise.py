@@ -7,9 +7,10 @@ from torch import nn
 
 import memplan
 from memplan.analysis.peak import step_margin
-from memplan.capture import capture
+from memplan.capture import Phase, capture
 from memplan.measure import measure
 from memplan.passes._rewrite.noise_replay import find_noise_replay
+from memplan.passes._rewrite.remade import REMAKES
 from memplan.steps import step_fn
 from memplan.testing import assert_equivalent
 
@@ -204,3 +205,83 @@ def test_remat_recomputes_through_a_draw_whose_state_was_taken():
     assert plan.planned_peak < other.planned_peak
     measured = measure(step_fn(replayed, (x,), train=True)).peak
     assert measured == plan.planned_peak + step_margin(plan.graph)
+
+
+class HeadsAttention(nn.Module):
+    """Attention written out, heads as a batch dimension, ``F.dropout`` on the probabilities."""
+
+    def __init__(self, width=64, heads=4, p=0.1):
+        super().__init__()
+        self.qkv, self.out, self.heads, self.p = nn.Linear(width, 3 * width), nn.Linear(width, width), heads, p
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-1, -2)) / (d // self.heads) ** 0.5
+        probs = F.dropout(scores.softmax(-1), self.p, training=self.training)
+        return self.out((probs @ v).transpose(1, 2).reshape(b, n, d))
+
+
+class CausalEinsum(nn.Module):
+    """Another layout: one head, scores by ``einsum``, a causal mask, ``nn.Dropout`` as a module."""
+
+    def __init__(self, width=48):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x):
+        n = x.shape[1]
+        scores = torch.einsum("bid,bjd->bij", self.q(x), self.k(x)) * x.shape[-1] ** -0.5
+        mask = torch.ones(n, n, dtype=torch.bool).tril()
+        probs = self.drop(scores.masked_fill(~mask, float("-inf")).softmax(-1))
+        return torch.einsum("bij,bjd->bid", probs, self.v(x)).tanh()
+
+
+@pytest.mark.parametrize("make,shape", [(HeadsAttention, (4, 192, 64)), (CausalEinsum, (8, 160, 48))],
+                         ids=["heads", "causal_einsum"])
+def test_chunk_splits_attention_around_noise_drawn_whole(make, shape):
+    # The dropout's noise reads no value once its state is taken (a tensor made from its shape), so the
+    # forward draws it whole, as eager does, and the loops read it in slices; the backward loop reads the
+    # noise drawn again in the backward, and the forward's dies after the forward loop.
+    torch.manual_seed(0)
+    model, x = make().train(), torch.randn(*shape, requires_grad=True)
+    chunked = memplan.optimize(model, passes="rewrite,chunk")
+    assert_equivalent(model, chunked, x, seed=2)
+    plan, whole = chunked.plan_for(x), memplan.optimize(model, passes="rewrite").plan_for(x)
+    assert any(r.name == "chunk" and r.changed for r in plan.records), plan
+    assert plan.planned_peak < 0.75 * whole.planned_peak, (plan.planned_peak, whole.planned_peak)
+    assert measure(step_fn(chunked, (x,), train=True)).peak == plan.planned_peak + step_margin(plan.graph)
+    graph = plan.graph
+    remade = [n.meta[REMAKES] for n in graph.gm.graph.nodes if REMAKES in n.meta]
+    assert remade
+    for name in remade:
+        assert all(graph.phases[u.name] is Phase.FORWARD for u in graph.node(name).users), name
+    # the stream goes on as eager's after the step
+    after = []
+    for module in (model, chunked):
+        torch.manual_seed(7)
+        module(x).sum().backward()
+        after.append(torch.rand(4))
+    assert torch.equal(*after)
+
+
+class DrawnFromProbabilities(nn.Module):
+    """A draw whose probabilities are the region's own values (``torch.bernoulli(p)``): it reads what the
+    loop would compute in slices, so chunk must not split it, nor draw it per chunk."""
+
+    def __init__(self, width=32):
+        super().__init__()
+        self.qk = nn.Linear(width, 2 * width)
+
+    def forward(self, x):
+        q, k = self.qk(x).chunk(2, -1)
+        probs = (q @ k.transpose(-1, -2)).softmax(-1)
+        noise = torch.bernoulli(probs.detach().clamp(0.2, 0.8))
+        return (probs * noise).sum(-1)
+
+
+def test_a_draw_that_reads_the_region_is_never_split():
+    torch.manual_seed(0)
+    model, x = DrawnFromProbabilities(), torch.randn(6, 128, 32, requires_grad=True)
+    assert_equivalent(model, memplan.optimize(model, passes="rewrite,chunk"), x, seed=3)

@@ -50,7 +50,7 @@ from memplan.capture import CapturedGraph, Phase
 from memplan.ops import replay_bernoulli_, rng_state, rng_state_bytes
 from memplan.opschema import mutated_args
 from memplan.passes._chunk.graphs import fake_mode_of, refresh_aliases
-from memplan.passes._rewrite.remade import Remade
+from memplan.passes._rewrite.remade import REMAKES, Remade
 
 __all__ = ["NoiseReplay", "find_noise_replay", "apply_noise_replay", "replayable_draws",
            "replay_args", "REPLAY_STATE"]
@@ -152,16 +152,21 @@ def apply_noise_replay(graph: CapturedGraph, patterns: list[NoiseReplay], state:
         readers = [(u, m) for m in members for u in list(m.users) if state["phases"].get(u.name) is Phase.BACKWARD]
         first = min((u for u, _ in readers), key=order.__getitem__)
         remade = Remade(graph, state)
+        held = fresh.meta["val"]
+        shape = (list(held.shape), list(held.stride()))
+        layout = {"dtype": held.dtype, "device": held.device}
+        # made from its shape alone, the noise reads no value: chunk draws it whole before a loop that
+        # reads it in slices (see the module docstring)
+        remade.retarget(fresh, torch.ops.aten.empty_strided.default, shape, layout)
         taken = remade.insert(chain[0], rng_state, (fresh,), phase=Phase.FORWARD)
         remade.mark(chain[0], REPLAY_STATE, taken.name)  # remat may replay the draw too (see replayable_draws)
-        held = fresh.meta["val"]
-        again = remade.insert(first, torch.ops.aten.empty_strided.default, (list(held.shape), list(held.stride())),
-                              {"dtype": held.dtype, "device": held.device})
+        again = remade.insert(first, torch.ops.aten.empty_strided.default, shape, layout)
         again = remade.insert(first, replay_bernoulli_, (again, _probability(chain[0]), taken))
         for scaling in chain[1:]:
             again = remade.insert(first, scaling.target, (again, *scaling.args[1:]))
         for reader, member in readers:
             remade.redirect(reader, member, again)
+        remade.mark(again, REMAKES, chain[-1].name)
         refresh_aliases(graph.gm.graph, remade.made[1:], fake_mode_of(graph.gm.graph))
         done.append(remade)
     return done
