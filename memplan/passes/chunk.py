@@ -79,6 +79,10 @@ Soundness conditions (each with a counterexample that the rules refuse)
 * Random ops are never chunked or recomputed, nor run in a loop at all. Counterexample: ``dropout``
   drawn chunk by chunk draws other numbers than eager's single draw; it is a barrier, even when all
   it reads is replicated (the mask of a dropout of a partial sum, drawn into an ``empty_like`` of it).
+  A draw that reads no value of the region (``rewrite`` (i) makes dropout's noise from its shape alone)
+  stays outside it: drawn whole before the loop, in eager's order among the draws, and read in slices.
+  The backward loop reads the noise the backward draws again (:data:`REMAKES`) where it recomputes
+  from the forward's, so the forward's noise dies with the forward loop.
 * The region is convex (nothing outside it both reads it and feeds it). Counterexample:
   ``m = x.amax(i); z = x - m; w = z * x``: ``z`` reads the combined ``m``, and ``w`` would need ``z``
   sliced inside the loop that computes ``m``. The flood marks ``z`` downstream of the region, and ``w``.

@@ -14,7 +14,11 @@ and restoring it. The rewrite does the same for the noise alone:
   ``memplan::replay_bernoulli_(new, q, state)`` and the same in-place ops after the draw (``div_(q)``), and
   the backward's readers read that.
 
-The forward's noise then dies after its last forward reader (the product).
+The forward's noise then dies after its last forward reader (the product). The forward makes its noise
+with ``empty_strided`` of the activation's shape and strides instead of ``empty_like(x)``: the same
+tensor, but the draw then reads no value, and ``chunk`` can draw it whole before a loop that reads it in
+slices (attention's probabilities times their dropout noise). The backward's noise is marked as the
+forward's twin (:data:`~memplan.passes._rewrite.remade.REMAKES`).
 
 Why the bits are the same: the draw runs the same kernel on a tensor of the same shape and strides from
 the same generator state, which is what makes ``torch.utils.checkpoint``'s recomputation equal to the
