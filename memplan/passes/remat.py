@@ -50,6 +50,12 @@ Stages
     never take are not simulated: those over ``max_overhead``, and those whose floor (the saved values
     and the outputs, all alive when the backward starts: :meth:`~memplan.passes._remat.simulation.VirtualSimulation.step_floor`) is above
     the lowest peak simulated so far, taking the lowest floors first (``remat.bound``).
+(5b) Late readers. A cut copies a value once, before its earliest consumer: an attention's probabilities,
+    recomputed for the block's output that the feed-forward block's backward needs, stay alive until the
+    attention's own backward reads them again. For the lowest plans (``remat.late_readers``), a variant
+    serves such late readers of the largest copies by a second group that recomputes those values again
+    right before them, from the first group's copies of the smaller values (queries and keys); the early
+    copies die with the copies that needed them.
 (6) ``ctx.policy.choose`` picks among the Pareto-optimal candidates (a budget: least overhead that fits,
     else :class:`~memplan.errors.InfeasibleBudgetError` naming the smallest peak; none: lowest peak whose
     overhead is within ``max_overhead``), and :func:`~memplan.passes._remat.copies.apply_remat` applies it.
@@ -119,6 +125,7 @@ from memplan.analysis.cost import REFERENCE_RATES, CostRates
 from memplan.analysis.manager import AnalysisManager
 from memplan.analysis.peak import PeakSimulation
 from memplan.capture import CapturedGraph
+from memplan.graphutil import nbytes
 from memplan.measure import format_bytes
 from memplan.passes._remat.copies import (
     CopyPlan,
@@ -127,6 +134,7 @@ from memplan.passes._remat.copies import (
     after_stack_reads,
     apply_remat,
     backward_reads,
+    late_reads,
     forward_inputs,
     plan_copies,
     plan_stack_reads,
@@ -172,6 +180,13 @@ class RematOptions:
         Up to this many classes of expensive ops (same op on the same shapes, e.g. one ``mm`` per loop
         step), every subset is tried kept saved while everything else is recomputed; beyond it, growing
         prefixes by FLOPs. Rationale: the priced cuts only reach the convex hull of the trade-off.
+    late_readers : int
+        For this many of the lowest simulated plans, also try a variant in which each backward node that
+        reads a copy made more than ``min(hoist_limits)`` positions before it (made early for another
+        copy: an attention's probabilities recomputed for the block's output, then read again by the
+        attention's backward after the feed-forward block's) is served by copies of its own, recomputed
+        again right before it. Rationale: the copy made early then dies with the copies that needed it,
+        at the price of recomputing it twice; simulation decides.
     bound : bool
         Without a budget, simulate the cuts in the order of a lower bound on their peak (the saved
         values and the outputs, all alive when the backward starts) and skip those whose bound is above the lowest
@@ -191,6 +206,7 @@ class RematOptions:
     max_nodes: int = 20000
     max_ban_classes: int = 4
     bound: bool = True
+    late_readers: int = 2
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any]) -> "RematOptions":
@@ -285,15 +301,12 @@ def plan_remat(
     cut_sets = _cut_sets(facts, options)
     if strict is not None:
         cut_sets += [(f"{label}, batch norms kept", cut) for label, cut in _cut_sets(strict, options)]
-    for label, recompute in cut_sets:
-        recompute = _with_tuple_parents(graph, facts, recompute)
-        if not recompute or recompute in seen:
-            continue
-        seen.add(recompute)
-        groups = (RecomputeGroup(recompute, label=label),)
+
+    def placed(groups: tuple[RecomputeGroup, ...], label: str) -> tuple[RematPlan, CopyPlan, float] | None:
+        """The plan recomputing through ``groups``, placed, with its overhead; None when it copies nothing."""
         copies = plan_copies(groups, inputs=inputs, backward=backward, units=facts.units)
         if not copies.copies:
-            continue
+            return None
         extra = sum(costs[name] for _, name in copies.copies)
         direct = {v for n, _, fw in backward for v in fw if v not in copies.reads.get(n, {})}
         saved = sorted(copies.originals_read() | direct,
@@ -301,7 +314,17 @@ def plan_remat(
         plan = RematPlan(label, stack_reads=reads, groups=groups, units=tuple(dict.fromkeys(copies.units.values())),
                          recomputed=copies.recomputed, saved=tuple(saved), copies=copies,
                          planned_on=simulation.names)
-        overhead = extra / facts.total_seconds if facts.total_seconds > 0 else 0.0
+        return plan, copies, extra / facts.total_seconds if facts.total_seconds > 0 else 0.0
+
+    for label, recompute in cut_sets:
+        recompute = _with_tuple_parents(graph, facts, recompute)
+        if not recompute or recompute in seen:
+            continue
+        seen.add(recompute)
+        found = placed((RecomputeGroup(recompute, label=label),), label)
+        if found is None:
+            continue
+        plan, copies, overhead = found
         if not policy.may_take(overhead):
             continue  # never taken (the plan keeping everything costs nothing): not simulated
         floor = simulation.step_floor(plan.saved, reads) if bounded else 0
@@ -318,6 +341,33 @@ def plan_remat(
         lowest = min(lowest, candidate.peak)
         simulated.append((order, candidate))
     candidates.extend(candidate for _, candidate in sorted(simulated, key=lambda item: item[0]))
+
+    # Step 5b: the lowest plans again, the late readers of their largest copies served by copies of their own.
+    # (the lowest peaks, within 2%, cheapest first: equal peaks come at quite different overheads)
+    floor_peak = min((c.peak for _, c in simulated), default=0)
+    lowest_plans = sorted((c for _, c in simulated if c.peak <= 1.02 * floor_peak),
+                          key=lambda c: (c.overhead, c.peak))[:options.late_readers]
+    for candidate in lowest_plans:
+        late = late_reads(candidate.plan.copies, backward, min(options.hoist_limits, default=0))
+        sizes = {value: nbytes(graph.node(value)) for value in late}
+        largest = max(sizes.values(), default=0)
+        readers = frozenset(r for value, names in late.items() if 2 * sizes[value] >= largest > 0 for r in names)
+        if not readers:
+            continue
+        # they recompute the large values again, from the first group's copies of the smaller ones
+        group = candidate.plan.groups[0]
+        again, stack = set(), [value for value in late if 2 * sizes[value] >= largest]
+        while stack:
+            value = stack.pop()
+            if value in again or value not in group.nodes or 2 * nbytes(graph.node(value)) < largest:
+                continue
+            again.add(value)
+            stack.extend(facts.inputs.get(value, ()))
+        label = f"{candidate.label}, late readers recompute again"
+        found = placed((group, RecomputeGroup(frozenset(again), serves=readers, parent=0, label=label)), label)
+        if found is not None and policy.may_take(found[2]):
+            plan, copies, overhead = found
+            candidates.append(Candidate(plan, simulation.step_peak(reads, copies), overhead, label))
 
     # Step 6: the policy chooses among the candidates no other beats on both peak and overhead.
     return policy.choose(pareto_front(candidates)), tuple(candidates)

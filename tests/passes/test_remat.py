@@ -668,3 +668,23 @@ def test_recomputing_batch_norms_never_gives_a_higher_peak_than_keeping_them(mon
         monkeypatch.setattr(module, "updates_running_statistics_only", lambda node: False)
     kept, _ = plan_remat(graph, AnalysisManager(graph), Policy(max_overhead=0.5))
     assert chosen.peak <= kept.peak
+
+
+def test_late_readers_of_a_copy_made_early_get_copies_of_their_own():
+    # Recomputing a transformer layer for its feed-forward block's backward recomputes the attention's
+    # probabilities too (its output needs them); the attention's backward reads them again after the
+    # feed-forward block's backward. The variant recomputes them again there, from the first copies of
+    # the smaller queries and keys, instead of holding them across.
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[nn.TransformerEncoderLayer(64, 4, 256, dropout=0.1, batch_first=True, norm_first=True)
+                             for _ in range(3)])
+    x = torch.randn(4, 128, 64, requires_grad=True)
+    plans = {}
+    for late in (0, 2):
+        opt = optimize(layers, passes="rewrite,remat", max_overhead=0.6, options={"remat.late_readers": late})
+        plan = plans[late] = opt.plan_for(x)
+        assert_equivalent(layers, opt, x, seed=1)
+        assert measure(step_fn(opt, (x,), train=True)).peak == plan.planned_peak + step_margin(plan.graph)
+    note = next(r for r in plans[2].records if r.name == "remat").notes[0]
+    assert "late readers recompute again" in note, note
+    assert plans[2].planned_peak < plans[0].planned_peak

@@ -39,6 +39,7 @@ __all__ = [
     "RecomputeGroup",
     "CopyPlan",
     "backward_reads",
+    "late_reads",
     "plan_copies",
     "apply_recompute",
     "RematPlan",
@@ -279,6 +280,19 @@ def backward_reads(graph: CapturedGraph) -> list[tuple[str, int, tuple[str, ...]
             if forward:
                 rows.append((node.name, i, forward))
     return rows
+
+
+def late_reads(copies: CopyPlan, backward: Sequence[tuple[str, int, tuple[str, ...]]], limit: int) -> dict[str, set[str]]:
+    """Forward value -> the backward nodes (``backward``: :func:`backward_reads`) that read its copy more
+    than ``limit`` graph positions after the copy is placed: a copy made early for another copy, and held
+    until them."""
+    position = {name: at for name, at, _ in backward}
+    found: dict[str, set[str]] = {}
+    for name, values in copies.reads.items():
+        for value, group in values.items():
+            if position[name] - copies.anchors[(group, copies.root(value))] > limit:
+                found.setdefault(value, set()).add(name)
+    return found
 
 
 class _OverLimit(Exception):
