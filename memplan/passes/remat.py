@@ -134,8 +134,8 @@ from memplan.passes._remat.copies import (
     after_stack_reads,
     apply_remat,
     backward_reads,
-    late_reads,
     forward_inputs,
+    late_reads,
     plan_copies,
     plan_stack_reads,
 )
@@ -351,12 +351,13 @@ def plan_remat(
         late = late_reads(candidate.plan.copies, backward, min(options.hoist_limits, default=0))
         sizes = {value: nbytes(graph.node(value)) for value in late}
         largest = max(sizes.values(), default=0)
-        readers = frozenset(r for value, names in late.items() if 2 * sizes[value] >= largest > 0 for r in names)
-        if not readers:
+        large = [value for value in late if 2 * sizes[value] >= largest > 0]
+        if not large:
             continue
+        readers = frozenset(r for value in large for r in late[value])
         # they recompute the large values again, from the first group's copies of the smaller ones
         group = candidate.plan.groups[0]
-        again, stack = set(), [value for value in late if 2 * sizes[value] >= largest]
+        again, stack = set(), list(large)
         while stack:
             value = stack.pop()
             if value in again or value not in group.nodes or 2 * nbytes(graph.node(value)) < largest:
